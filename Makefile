@@ -1,0 +1,49 @@
+# ashl: `make demo` runs the main job, `make test` the whole suite; both set
+# everything up first (scripts/bootstrap.sh, idempotent).
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.ashl-bootstrap
+OUT ?= out
+PYTEST_ARGS ?=
+
+# Open MPI refuses to run as root without these; harmless otherwise.
+export OMPI_ALLOW_RUN_AS_ROOT := 1
+export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
+
+.PHONY: all bootstrap build test demo bench bench-kernels clean distclean
+
+all: build
+
+bootstrap: $(STAMP)
+
+$(STAMP): scripts/bootstrap.sh pyproject.toml setup.py
+	bash scripts/bootstrap.sh
+	@touch $@
+
+# Incremental rebuild of ashl._C (ninja: seconds when nothing changed).
+build: $(STAMP)
+	@$(PY) setup.py -q build_ext --inplace >$(VENV)/build.log 2>&1 || { cat $(VENV)/build.log; exit 1; }
+
+# pytest exits 5 when it collected nothing: for this suite that is a failure.
+test: build
+	@$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+# Until the training engine lands, the main job is the kernel benchmark.
+demo: build
+	@mkdir -p $(OUT)
+	$(PY) -m ashl.bench kernels --json $(OUT)/kernels.json
+	@echo "kernel benchmark written to $(OUT)/kernels.json"
+
+bench: bench-kernels
+
+bench-kernels: build
+	@mkdir -p $(OUT)
+	$(PY) -m ashl.bench kernels --json $(OUT)/kernels.json
+
+clean:
+	rm -rf build $(OUT) src/ashl/_C*.so .pytest_cache .hypothesis
+
+distclean: clean
+	rm -rf $(VENV)

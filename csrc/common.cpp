@@ -1,0 +1,81 @@
+// Validation shared by the CPU and CUDA back ends.
+#include "ashl/kernels.h"
+
+#include <string>
+
+namespace ashl {
+
+const char* dtype_name(DType d) {
+  switch (d) {
+    case DType::kFloat32: return "float32";
+    case DType::kFloat16: return "float16";
+    case DType::kBFloat16: return "bfloat16";
+    case DType::kInt32: return "int32";
+    case DType::kInt64: return "int64";
+  }
+  return "unknown";
+}
+
+int64_t dtype_size(DType d) {
+  switch (d) {
+    case DType::kFloat32: case DType::kInt32: return 4;
+    case DType::kFloat16: case DType::kBFloat16: return 2;
+    case DType::kInt64: return 8;
+  }
+  throw std::invalid_argument("unknown dtype code " + std::to_string(static_cast<int>(d)));
+}
+
+bool is_float(DType d) {
+  return d == DType::kFloat32 || d == DType::kFloat16 || d == DType::kBFloat16;
+}
+
+static void check_list(const TensorList& l, const char* name) {
+  if (l.ptrs.size() != l.numels.size())
+    throw std::invalid_argument(std::string(name) + ": " + std::to_string(l.ptrs.size()) +
+                                " pointers but " + std::to_string(l.numels.size()) + " sizes");
+  for (size_t i = 0; i < l.ptrs.size(); ++i) {
+    if (l.numels[i] < 0)
+      throw std::invalid_argument(std::string(name) + "[" + std::to_string(i) +
+                                  "]: negative size " + std::to_string(l.numels[i]));
+    if (l.numels[i] > 0 && l.ptrs[i] == nullptr)
+      throw std::invalid_argument(std::string(name) + "[" + std::to_string(i) +
+                                  "]: null pointer with " + std::to_string(l.numels[i]) +
+                                  " elements");
+  }
+}
+
+void check_layout(const TensorList& shape, const std::vector<int64_t>& offsets,
+                  int64_t flat_numel) {
+  check_list(shape, "tensors");
+  if (offsets.size() != shape.numels.size())
+    throw std::invalid_argument("offsets: " + std::to_string(offsets.size()) + " offsets for " +
+                                std::to_string(shape.numels.size()) + " tensors");
+  if (flat_numel < 0) throw std::invalid_argument("flat buffer: negative size");
+  for (size_t i = 0; i < offsets.size(); ++i) {
+    const int64_t off = offsets[i], n = shape.numels[i];
+    // Written so that no intermediate overflows: off <= flat_numel - n.
+    if (off < 0 || n > flat_numel || off > flat_numel - n)
+      throw std::invalid_argument("tensor " + std::to_string(i) + " (" + std::to_string(n) +
+                                  " elements at offset " + std::to_string(off) +
+                                  ") does not fit in the flat buffer of " +
+                                  std::to_string(flat_numel) + " elements");
+  }
+}
+
+void check_same_shape(const TensorList& ref, const TensorList& other, const char* ref_name,
+                      const char* other_name) {
+  check_list(ref, ref_name);
+  check_list(other, other_name);
+  if (ref.numels.size() != other.numels.size())
+    throw std::invalid_argument(std::string(other_name) + " has " +
+                                std::to_string(other.numels.size()) + " tensors but " + ref_name +
+                                " has " + std::to_string(ref.numels.size()));
+  for (size_t i = 0; i < ref.numels.size(); ++i)
+    if (ref.numels[i] != other.numels[i])
+      throw std::invalid_argument(std::string(other_name) + "[" + std::to_string(i) + "] has " +
+                                  std::to_string(other.numels[i]) + " elements but " + ref_name +
+                                  "[" + std::to_string(i) + "] has " +
+                                  std::to_string(ref.numels[i]));
+}
+
+}  // namespace ashl

@@ -1,0 +1,96 @@
+// ashl's fused multi-tensor kernels: the framework-agnostic interface.
+//
+// Nothing here knows about torch. Callers hand over raw pointers, element
+// counts, dtypes and offsets into flat buffers after validating the tensors
+// (see src/ashl/kernels.py); every function still checks the bounds it can
+// check (list lengths, offsets, flat sizes, sparse indices) and throws instead
+// of touching memory it was not given.
+//
+// Arithmetic is always fp32, whatever the storage dtype.
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <vector>
+
+namespace ashl {
+
+enum class DType : int32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kInt32 = 3, kInt64 = 4 };
+
+const char* dtype_name(DType d);
+int64_t dtype_size(DType d);
+bool is_float(DType d);
+
+// A list of same-dtype tensors, each a contiguous run of `numels[i]` elements
+// at `ptrs[i]`, placed at `offsets[i]` (elements) inside a flat buffer.
+struct TensorList {
+  DType dtype = DType::kFloat32;
+  std::vector<void*> ptrs;
+  std::vector<int64_t> numels;
+};
+
+// A contiguous flat buffer.
+struct Flat {
+  void* data = nullptr;
+  DType dtype = DType::kFloat32;
+  int64_t numel = 0;
+};
+
+// Execution context for CUDA (ignored on CPU).
+struct CudaContext {
+  void* stream = nullptr;      // cudaStream_t; nullptr = default stream
+  int32_t* scratch = nullptr;  // device memory for >= 2 int32 flags
+};
+
+// Throws std::invalid_argument unless `offsets` places every tensor of `shape`
+// inside a flat buffer of `flat_numel` elements.
+void check_layout(const TensorList& shape, const std::vector<int64_t>& offsets, int64_t flat_numel);
+// Throws std::invalid_argument unless `other` has the same count and numels as `ref`.
+void check_same_shape(const TensorList& ref, const TensorList& other, const char* ref_name,
+                      const char* other_name);
+
+namespace cpu {
+// out[offsets[i] + j] = scale * (params[i][j] - anchors[i][j]) (+ residuals[i][j])
+void pack_delta(const TensorList& params, const TensorList& anchors, const TensorList* residuals,
+                const std::vector<int64_t>& offsets, Flat out, float scale);
+// params[i][j] = anchors[i][j] = flat[offsets[i] + j]
+void unpack_assign(const TensorList& params, const TensorList& anchors,
+                   const std::vector<int64_t>& offsets, Flat flat);
+// anchors[i][j] += flat[offsets[i] + j]; params[i][j] = anchors[i][j]
+void unpack_add(const TensorList& params, const TensorList& anchors,
+                const std::vector<int64_t>& offsets, Flat flat);
+// dst[i] += weight * delta[i] for every tensor, unless any delta element is
+// NaN/Inf: then nothing is written and it returns false.
+bool merge_dense(const TensorList& dst, const TensorList& delta, float weight);
+// dst[indices[k]] += weight * values[k]. An index outside [0, dst.numel)
+// throws std::out_of_range and a non-finite value returns false; either way
+// nothing is written. Duplicate indices accumulate.
+bool merge_sparse(Flat dst, const void* indices, DType index_dtype, const void* values,
+                  DType value_dtype, int64_t nnz, float weight);
+// out[i] = sum_k weights[k] * inputs[k][i]
+void weighted_sum(const TensorList& out, const std::vector<TensorList>& inputs,
+                  const std::vector<float>& weights);
+
+int max_threads();
+void set_num_threads(int n);
+}  // namespace cpu
+
+namespace cuda {
+// Same contracts as ashl::cpu, on device pointers of the current device,
+// enqueued on ctx.stream. merge_dense/merge_sparse synchronise the stream to
+// return their result.
+bool available();  // compiled with CUDA and a device is present
+void pack_delta(const TensorList& params, const TensorList& anchors, const TensorList* residuals,
+                const std::vector<int64_t>& offsets, Flat out, float scale, CudaContext ctx);
+void unpack_assign(const TensorList& params, const TensorList& anchors,
+                   const std::vector<int64_t>& offsets, Flat flat, CudaContext ctx);
+void unpack_add(const TensorList& params, const TensorList& anchors,
+                const std::vector<int64_t>& offsets, Flat flat, CudaContext ctx);
+bool merge_dense(const TensorList& dst, const TensorList& delta, float weight, CudaContext ctx);
+bool merge_sparse(Flat dst, const void* indices, DType index_dtype, const void* values,
+                  DType value_dtype, int64_t nnz, float weight, CudaContext ctx);
+void weighted_sum(const TensorList& out, const std::vector<TensorList>& inputs,
+                  const std::vector<float>& weights, CudaContext ctx);
+}  // namespace cuda
+
+}  // namespace ashl
