@@ -6,7 +6,8 @@
 // check (list lengths, offsets, flat sizes, sparse indices) and throws instead
 // of touching memory it was not given.
 //
-// Arithmetic is always fp32, whatever the storage dtype.
+// Arithmetic is always fp32, whatever the storage dtype. A non-finite scale or
+// weight throws std::invalid_argument.
 #pragma once
 
 #include <cstdint>
@@ -39,7 +40,9 @@ struct Flat {
 // Execution context for CUDA (ignored on CPU).
 struct CudaContext {
   void* stream = nullptr;      // cudaStream_t; nullptr = default stream
-  int32_t* scratch = nullptr;  // device memory for >= 2 int32 flags
+  // Device memory for 2 int32 flags, zeroed by the caller before each call
+  // (may be null when the call has no work).
+  int32_t* scratch = nullptr;
 };
 
 // Throws std::invalid_argument unless `offsets` places every tensor of `shape`
@@ -63,11 +66,14 @@ void unpack_add(const TensorList& params, const TensorList& anchors,
 // NaN/Inf: then nothing is written and it returns false.
 bool merge_dense(const TensorList& dst, const TensorList& delta, float weight);
 // dst[indices[k]] += weight * values[k]. An index outside [0, dst.numel)
-// throws std::out_of_range and a non-finite value returns false; either way
-// nothing is written. Duplicate indices accumulate.
+// throws std::out_of_range (checked before values, so it wins over a
+// non-finite value) and a non-finite value returns false; either way nothing
+// is written. Duplicate indices accumulate.
 bool merge_sparse(Flat dst, const void* indices, DType index_dtype, const void* values,
                   DType value_dtype, int64_t nnz, float weight);
-// out[i] = sum_k weights[k] * inputs[k][i]
+// out[i] = sum_k weights[k] * inputs[k][i]; zero inputs write zeros. All inputs
+// share one dtype. out may alias inputs[k] only for k < 8 (CUDA re-reads out
+// as the running sum beyond 8 inputs).
 void weighted_sum(const TensorList& out, const std::vector<TensorList>& inputs,
                   const std::vector<float>& weights);
 
