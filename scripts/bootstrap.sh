@@ -33,8 +33,14 @@ if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split(
     log "installing torch==$TORCH_VERSION"
     "${PIP[@]}" install "torch==$TORCH_VERSION"
 fi
-"${PIP[@]}" install numpy pybind11 ninja "cmake>=3.27,<4" scikit-learn matplotlib tqdm pytest \
-    pytest-timeout hypothesis packaging wheel "setuptools>=64" psutil cloudpickle
+TOOLS=(numpy pybind11 ninja "cmake>=3.27,<4" scikit-learn matplotlib tqdm pytest pytest-timeout
+       hypothesis packaging wheel "setuptools>=64" psutil cloudpickle pyyaml cffi)
+TOOL_MODULES="numpy, pybind11, ninja, cmake, sklearn, matplotlib, tqdm, pytest, pytest_timeout"
+TOOL_MODULES+=", hypothesis, packaging, wheel, setuptools, psutil, cloudpickle, yaml, cffi"
+if ! "$VENV/bin/python" -c "import $TOOL_MODULES" 2>/dev/null; then
+    log "installing the Python tools"
+    "${PIP[@]}" install "${TOOLS[@]}"
+fi
 
 # --- wheels built from source, cached outside the checkout ----------------------
 PYTAG=$("$VENV/bin/python" -c 'import sys; print(f"py{sys.version_info[0]}{sys.version_info[1]}")')
@@ -76,10 +82,12 @@ if ! "$VENV/bin/python" -c "import mpi4py" 2>/dev/null; then
 fi
 if ! "$VENV/bin/python" -c "import horovod.torch" 2>/dev/null; then
     build_cached_wheel horovod "horovod-$HOROVOD_VERSION-torch$TORCH_VERSION-$PYTAG-ompi$OMPI_VERSION" build_horovod
-    "${PIP[@]}" install cloudpickle psutil pyyaml packaging cffi  # horovod's runtime deps
 fi
 
 # --- ashl itself ---------------------------------------------------------------
-log "building ashl (editable)"
-"${PIP[@]}" install --no-build-isolation --no-deps -e "$ROOT"
-log "done"
+# Editable install once; after that `make build` rebuilds ashl._C incrementally.
+if ! (cd / && "$VENV/bin/python" -c "import ashl._C") 2>/dev/null; then
+    log "building ashl (editable)"
+    "${PIP[@]}" install --no-build-isolation --no-deps -e "$ROOT"
+fi
+log "ready: $("$VENV/bin/python" -c 'import torch, horovod, mpi4py, ashl; print(f"torch {torch.__version__}, horovod {horovod.__version__}, mpi4py {mpi4py.__version__}, ashl {ashl.__version__}")')"
