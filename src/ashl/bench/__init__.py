@@ -1,0 +1,13 @@
+"""ashl's benchmark harness: ``python -m ashl.bench COMMAND ...``.
+
+A subcommand is a module with ``add_arguments(parser)`` and ``run(args) -> int | None``; adding
+one is one line in :data:`SUBCOMMANDS`. Only the chosen subcommand's module is imported, so a
+subcommand may import heavy dependencies (torch, mpi4py) at module level.
+"""
+from __future__ import annotations
+
+# name -> (module, one-line help)
+SUBCOMMANDS = {
+    "kernels": ("ashl.bench.kernels",
+                "time the fused multi-tensor kernels against torch._foreach_* and flat torch ops"),
+}

@@ -1,0 +1,72 @@
+"""Smoke test of ``python -m ashl.bench kernels --quick``: it runs, checks every torch variant
+against ashl (inside the benchmark) and writes JSON of the documented schema."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ashl.bench import shapes
+from ashl.bench.kernels import LISTS, OPS
+
+CASE_KEYS = {"op": str, "tensors": str, "numel": int, "ashl_s": float,
+             "foreach_s": (float, type(None)), "flat_s": float,
+             "speedup_vs_foreach": (float, type(None)), "speedup_vs_flat": float,
+             "bandwidth_fraction": float}
+
+
+def test_model_shapes():
+    s = shapes.model_shapes()
+    assert shapes.numel(s["vgg16"]) == 14_728_266  # kuangliu VGG16 (BN, Linear(512, 10))
+    assert shapes.numel(s["resnet18"]) == 11_173_962  # kuangliu ResNet18
+    assert 20_000_000 <= shapes.numel(s["transformer"]) <= 30_000_000
+    assert 150 <= len(s["transformer"]) <= 400
+    for lst in s.values():
+        assert all(isinstance(n, str) and all(d > 0 for d in shape) for n, shape in lst)
+        assert len({n for n, _ in lst}) == len(lst)  # unique names
+
+
+def test_cli_help():
+    r = subprocess.run([sys.executable, "-m", "ashl.bench", "--help"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and "kernels" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "ashl.bench"], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2 and "COMMAND" in r.stderr
+
+
+@pytest.mark.timeout(120)
+def test_kernels_quick_json(tmp_path):
+    path = tmp_path / "out" / "kernels.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1")  # a smoke test: don't fight other jobs for cores
+    r = subprocess.run([sys.executable, "-m", "ashl.bench", "kernels", "--quick", "--repeat", "1",
+                        "--warmup", "1", "--json", str(path)],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "x foreach" in r.stdout  # the table
+    data = json.loads(path.read_text())
+    assert data["bandwidth_gbps"] > 0
+    assert isinstance(data["device"], str) and data["device"].startswith("cpu")
+    assert isinstance(data["threads"], int) and data["threads"] >= 1
+    cases = data["cases"]
+    assert {(c["op"], c["tensors"]) for c in cases} == {(o, t) for o in OPS for t in LISTS}
+    for c in cases:
+        for k, typ in CASE_KEYS.items():
+            assert isinstance(c[k], typ), (k, c)
+        assert c["ashl_s"] > 0 and c["flat_s"] > 0 and c["bandwidth_fraction"] > 0
+        assert (c["foreach_s"] is None) == (c["op"] == "merge_sparse")
+        if c["foreach_s"] is not None:
+            assert c["speedup_vs_foreach"] == pytest.approx(c["foreach_s"] / c["ashl_s"])
+        assert c["speedup_vs_flat"] == pytest.approx(c["flat_s"] / c["ashl_s"])
+
+
+def test_cuda_refused_without_gpu(tmp_path):
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    r = subprocess.run([sys.executable, "-m", "ashl.bench", "kernels", "--quick", "--device",
+                        "cuda"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "cuda" in r.stderr
