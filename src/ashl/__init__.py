@@ -6,7 +6,8 @@ import importlib
 
 __version__ = "0.1.0"
 
-_SUBMODULES = {"kernels", "planner", "profiler", "coordinator", "bench"}
+_SUBMODULES = {"kernels", "planner", "profiler", "coordinator", "stages", "emulation", "bench",
+               "protocol", "compression", "data", "models", "torch"}
 
 
 def __getattr__(name):

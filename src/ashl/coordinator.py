@@ -1,0 +1,512 @@
+"""Rank 0's brain and its thin MPI edge.
+
+`Coordinator` is pure (no MPI): it makes the first plan from the gathered profiles, takes
+one `CommitReport` per commit and answers with a `Directive` (plan version, stage, stop
+flag, and the new plan when the rank's copy is stale). It re-plans when a rank's measured
+speed drifts from what the plan assumed, and it owns the StageMachine.
+
+`MPICoordinator` moves those objects over mpi4py on a duplicate of COMM_WORLD: gather
+profiles, broadcast the plan, and answer reports from a service thread on rank 0 (rank
+0's own reports are answered in-process). The parameter server can instead call
+`Coordinator.on_commit` itself and piggy-back the directive on its reply.
+
+Drift rule (docs/PLANNER.md): per rank, the median of its last `window` reports is
+compared with the plan's assumption. A re-plan happens when some rank is off by more than
+`threshold` (default 20 %) and the error moves its round by more than `min_round_change`
+of the round; at most once per `cooldown_commits`. At a re-plan only ranks off by more
+than `release` (10 %) get new numbers; the others keep theirs (hysteresis: noise just
+under the trigger does not move the plan).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import threading
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+from .planner import Plan, PlannerConfig, RankProfile, make_plan, pull_seconds, push_seconds
+from .stages import Stage, StageConfig, StageMachine
+
+__all__ = ["CommitReport", "Directive", "DriftConfig", "CoordinatorEvent", "Coordinator",
+           "MPICoordinator"]
+
+log = logging.getLogger("ashl.coordinator")
+
+
+def _finite_positive(value: Any) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value) and value > 0)
+
+
+@dataclass(frozen=True)
+class CommitReport:
+    """What a rank tells rank 0 at a commit.
+
+    step_s   mean compute seconds per local step in the round just finished
+    link_s   wall seconds of this rank's previous commit exchange (push + pull), minus
+             any time the server spent waiting on the staleness bound; None if unknown
+    link_ratio  compression ratio that exchange used (1.0 = dense)
+    loss     the rank's running training loss (stages.RunningLoss)
+    """
+
+    rank: int
+    plan_version: int
+    step_s: float | None = None
+    link_s: float | None = None
+    link_ratio: float = 1.0
+    loss: float | None = None
+    samples: int = 0
+    local_steps: int = 0
+    epoch: int = 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "CommitReport":
+        return cls(**dict(d))
+
+
+@dataclass(frozen=True)
+class Directive:
+    """Rank 0's answer to a commit."""
+
+    plan_version: int
+    stage: Stage
+    stop: bool
+    reason: str = ""
+    plan: Plan | None = None     # set when the reporting rank's plan is out of date
+
+    def to_wire(self) -> dict:
+        return {"plan_version": self.plan_version, "stage": self.stage.value, "stop": self.stop,
+                "reason": self.reason, "plan": None if self.plan is None else self.plan.to_json()}
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> "Directive":
+        return cls(plan_version=int(d["plan_version"]), stage=Stage(d["stage"]), stop=bool(d["stop"]),
+                   reason=d.get("reason", ""),
+                   plan=None if d.get("plan") is None else Plan.from_json(d["plan"]))
+
+
+@dataclass(frozen=True)
+class DriftConfig:
+    enabled: bool = True
+    threshold: float = 0.2          # re-plan when a rank is off by more than this fraction
+    release: float = 0.1            # at a re-plan, refresh every rank off by more than this
+    window: int = 5                 # reports per rank in the median
+    min_reports: int = 3            # reports needed before a rank's estimate counts
+    min_round_change: float = 0.05  # ignore errors that move the rank's round by less than this
+    cooldown_commits: int | None = None  # commits (all ranks) between re-plans; None = 2 * n_ranks
+
+    def __post_init__(self) -> None:
+        if not 0 < self.release <= self.threshold:
+            raise ValueError(f"drift config: need 0 < release <= threshold, got "
+                             f"release={self.release!r}, threshold={self.threshold!r}")
+        if not isinstance(self.window, int) or self.window < 1:
+            raise ValueError(f"drift config: window must be an integer >= 1, got {self.window!r}")
+        if not isinstance(self.min_reports, int) or not 1 <= self.min_reports <= self.window:
+            raise ValueError(f"drift config: min_reports must be in [1, window], got {self.min_reports!r}")
+        if self.min_round_change < 0:
+            raise ValueError(f"drift config: min_round_change must be >= 0, got {self.min_round_change!r}")
+        if self.cooldown_commits is not None and self.cooldown_commits < 0:
+            raise ValueError(f"drift config: cooldown_commits must be >= 0, got {self.cooldown_commits!r}")
+
+
+@dataclass(frozen=True)
+class CoordinatorEvent:
+    """One line of the plan/stage log."""
+
+    at_s: float
+    kind: str            # "plan" | "stage" | "stop"
+    plan_version: int
+    stage: str
+    reason: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class _Drift:
+    rank: int
+    what: str            # "compute" | "link"
+    estimate: float      # compute: seconds per step; link: factor over the plan's prediction
+    relative: float      # estimate vs assumption, signed
+    significant: bool    # also moves the round enough to matter
+
+
+class Coordinator:
+    """Pure coordinator state machine used on rank 0."""
+
+    def __init__(self, n_ranks: int, planner_config: PlannerConfig | None = None,
+                 stage_config: StageConfig | None = None, drift_config: DriftConfig | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.n_ranks = n_ranks
+        self.planner_config = planner_config or PlannerConfig()
+        self.drift_config = drift_config or DriftConfig()
+        self.clock = clock
+        self.machine = StageMachine(n_ranks, stage_config, start_time=clock())
+        self.plan: Plan | None = None
+        self.events: list[CoordinatorEvent] = []
+        w = self.drift_config.window
+        self._steps = [deque(maxlen=w) for _ in range(n_ranks)]
+        self._links = [deque(maxlen=w) for _ in range(n_ranks)]   # (seconds, ratio)
+        self._replanned_at = 0
+        self._max_epoch = 0
+        self._seen_transitions = 0
+
+    # --------------------------------------------------------------- state
+    @property
+    def stage(self) -> Stage:
+        return self.machine.stage
+
+    @property
+    def global_loss(self) -> float | None:
+        return self.machine.global_loss
+
+    def _now_s(self) -> float:
+        return self.clock() - self.machine.start_time
+
+    def _log(self, kind: str, reason: str) -> None:
+        event = CoordinatorEvent(at_s=self._now_s(), kind=kind,
+                                 plan_version=self.plan.version if self.plan else 0,
+                                 stage=self.stage.value, reason=reason)
+        self.events.append(event)
+        log.info("%s: plan v%d, stage %s (%s)", kind, event.plan_version, event.stage, reason)
+
+    def _sync_stage(self) -> None:
+        """Log new transitions and point the global-loss weights at the current stage."""
+        for t in self.machine.transitions[self._seen_transitions:]:
+            kind = "stop" if t.to_stage is Stage.DONE else "stage"
+            self._log(kind, f"{t.from_stage.value} -> {t.to_stage.value}: {t.reason}")
+        self._seen_transitions = len(self.machine.transitions)
+        if self.plan is not None and self.stage in (Stage.AHL, Stage.SHL):
+            self.machine.set_weights(self.plan.stage(self.stage.value).shares)
+
+    def directive(self, rank_plan_version: int | None = None) -> Directive:
+        version = self.plan.version if self.plan else 0
+        return Directive(plan_version=version, stage=self.stage, stop=self.machine.done,
+                         reason=self.machine.stop_reason or "",
+                         plan=self.plan if self.plan is not None and rank_plan_version != version else None)
+
+    # -------------------------------------------------------------- events
+    def plan_from_profiles(self, profiles: Sequence[RankProfile]) -> Plan:
+        """The first plan; moves the run from PROFILE to AHL."""
+        if len(profiles) != self.n_ranks:
+            raise ValueError(f"expected {self.n_ranks} profiles (one per rank), got {len(profiles)}")
+        self.plan = make_plan(profiles, self.planner_config, version=1,
+                              reason="initial plan from profiling")
+        self._log("plan", self.plan.reason)
+        self.machine.begin_training(self.clock())
+        self._sync_stage()
+        return self.plan
+
+    def on_commit(self, report: CommitReport) -> Directive:
+        if self.plan is None:
+            raise RuntimeError("commit reported before the first plan was made")
+        if not isinstance(report.rank, int) or not 0 <= report.rank < self.n_ranks:
+            raise ValueError(f"report from rank {report.rank!r}, but there are {self.n_ranks} ranks")
+        r = report.rank
+        if _finite_positive(report.step_s):
+            self._steps[r].append(float(report.step_s))
+        if _finite_positive(report.link_s) and _finite_positive(report.link_ratio):
+            self._links[r].append((float(report.link_s), float(report.link_ratio)))
+        self._max_epoch = max(self._max_epoch, int(report.epoch))
+        loss = report.loss if report.loss is not None and math.isfinite(report.loss) else None
+        self.machine.commit(r, self.clock(), loss)
+        self._sync_stage()
+        if not self.machine.done:
+            self._maybe_replan()
+        return self.directive(report.plan_version)
+
+    def on_evaluation(self, loss: float | None = None, accuracy: float | None = None) -> Stage:
+        self.machine.evaluation(self.clock(), loss=loss, accuracy=accuracy)
+        self._sync_stage()
+        return self.stage
+
+    def tick(self) -> Stage:
+        self.machine.tick(self.clock())
+        self._sync_stage()
+        return self.stage
+
+    def stop(self, reason: str) -> Stage:
+        self.machine.stop(self.clock(), reason)
+        self._sync_stage()
+        return self.stage
+
+    # ------------------------------------------------------------------ drift
+    def drifts(self) -> list[_Drift]:
+        """Each rank's current deviation from the plan (ranks with enough reports)."""
+        cfg, plan = self.drift_config, self.plan
+        stage = plan.stage(self.stage.value if self.stage in (Stage.AHL, Stage.SHL) else "AHL")
+        out = []
+        for r in range(self.n_ranks):
+            p = plan.profiles[r]
+            h = stage.local_steps[r]
+            if len(self._steps[r]) >= cfg.min_reports:
+                est = statistics.median(self._steps[r])
+                rel = est / p.compute_s - 1
+                moved = abs(est - p.compute_s) * h
+                out.append(_Drift(r, "compute", est, rel,
+                                  abs(rel) > cfg.threshold and moved > cfg.min_round_change * stage.round_s))
+            if len(self._links[r]) >= cfg.min_reports:
+                factors = [s / (push_seconds(p, ratio, plan.config) + pull_seconds(p, plan.config))
+                           for s, ratio in self._links[r]]
+                est = statistics.median(factors)
+                planned_link = push_seconds(p, stage.ratios[r], plan.config) + pull_seconds(p, plan.config)
+                moved = abs(est - 1) * planned_link
+                out.append(_Drift(r, "link", est, est - 1,
+                                  abs(est - 1) > cfg.threshold and moved > cfg.min_round_change * stage.round_s))
+        return out
+
+    def _maybe_replan(self) -> None:
+        cfg = self.drift_config
+        if not cfg.enabled:
+            return
+        cooldown = 2 * self.n_ranks if cfg.cooldown_commits is None else cfg.cooldown_commits
+        if self.plan.version > 1 and self.machine.commits - self._replanned_at < cooldown:
+            return
+        drifts = self.drifts()
+        triggers = [d for d in drifts if d.significant]
+        if not triggers:
+            return
+        profiles = list(self.plan.profiles)
+        changed = []
+        for d in drifts:
+            if abs(d.relative) <= cfg.release:
+                continue
+            if d.what == "compute":
+                profiles[d.rank] = profiles[d.rank].with_compute(d.estimate)
+            else:
+                profiles[d.rank] = profiles[d.rank].with_link_scaled(d.estimate)
+            changed.append(f"rank {d.rank} {d.what} {d.relative:+.0%}")
+        reason = ("drift: " + ", ".join(f"rank {d.rank} {d.what} {d.relative:+.0%}" for d in triggers)
+                  + "; refreshed " + ", ".join(changed))
+        self.plan = make_plan(profiles, self.planner_config, version=self.plan.version + 1,
+                              shares_from_epoch=self._max_epoch + 1, reason=reason)
+        self._replanned_at = self.machine.commits
+        self._sync_stage()
+        self._log("plan", reason)
+
+
+# ------------------------------------------------------------------------- MPI
+
+_REPORT_TAG, _DIRECTIVE_TAG, _BYE_TAG = 7101, 7102, 7103
+_LINK_GO, _LINK_PUSH, _LINK_ACK, _LINK_REQ, _LINK_PULL = 7111, 7112, 7113, 7114, 7115
+
+
+class MPICoordinator:
+    """The coordinator over mpi4py. Every rank constructs one (collective).
+
+    Typical use on every rank:
+        mc = MPICoordinator()
+        push, pull = mc.measure_link(payload_bytes)           # collective
+        plan = mc.establish_plan(profile)                      # collective; all ranks equal
+        ... at each commit:  directive = mc.report(CommitReport(...))
+        mc.close()                                             # collective
+    """
+
+    def __init__(self, comm: Any = None, root: int = 0, *, planner_config: PlannerConfig | None = None,
+                 stage_config: StageConfig | None = None, drift_config: DriftConfig | None = None,
+                 clock: Callable[[], float] = time.monotonic, poll_s: float = 5e-4):
+        try:
+            from mpi4py import MPI
+        except ImportError as exc:  # pragma: no cover - depends on the environment
+            raise RuntimeError("ashl's coordinator needs mpi4py (pip install mpi4py) "
+                               "and an MPI launch (mpirun, horovodrun, srun --mpi=pmix)") from exc
+        self._MPI = MPI
+        base = MPI.COMM_WORLD if comm is None else comm
+        self.comm = base.Dup()        # our own tag space, separate from the server's traffic
+        self.rank, self.size, self.root = self.comm.Get_rank(), self.comm.Get_size(), root
+        if not 0 <= root < self.size:
+            raise ValueError(f"root {root} out of range for {self.size} ranks")
+        self.poll_s = poll_s
+        self.coordinator = (Coordinator(self.size, planner_config, stage_config, drift_config, clock)
+                            if self.rank == root else None)
+        self.plan: Plan | None = None
+        self.stage = Stage.PROFILE
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._service_error: BaseException | None = None
+        self._closed = False
+
+    @property
+    def is_root(self) -> bool:
+        return self.rank == self.root
+
+    # ---------------------------------------------------------------- helpers
+    def _wait(self, request: Any) -> Any:
+        """Poll instead of blocking: Open MPI's blocking waits spin a core."""
+        while True:
+            done, value = request.test()
+            if done:
+                return value
+            time.sleep(self.poll_s)
+
+    def _poll_recv(self, source: int, tag: int) -> Any:
+        while not self.comm.Iprobe(source=source, tag=tag):
+            time.sleep(self.poll_s)
+        return self.comm.recv(source=source, tag=tag)
+
+    def barrier(self) -> None:
+        self._wait(self.comm.Ibarrier())
+
+    # -------------------------------------------------------------- profiling
+    def measure_link(self, payload_bytes: int, repeats: int = 10, warmup: int = 2):
+        """Round-trip push and pull of a real `payload_bytes` message to the root (collective).
+
+        Returns (push, pull) TimingSummary. Ranks are served one at a time so they do
+        not compete; the root measures an in-memory copy (its server is in-process).
+        """
+        from .profiler import StepTimer, measure_round_trip
+        payload = bytearray(max(1, int(payload_bytes)))
+        one = bytearray(1)
+        if self.is_root:
+            sink = bytearray(len(payload))
+
+            def copy() -> None:
+                sink[:] = payload
+
+            push = measure_round_trip(copy, repeats, warmup=warmup)
+            pull = measure_round_trip(copy, repeats, warmup=warmup)
+            for r in range(self.size):
+                if r == self.root:
+                    continue
+                self.comm.send(None, dest=r, tag=_LINK_GO)
+                for _ in range(warmup + repeats):
+                    self.comm.Recv(payload, source=r, tag=_LINK_PUSH)
+                    self.comm.Send(one, dest=r, tag=_LINK_ACK)
+                    self.comm.Recv(one, source=r, tag=_LINK_REQ)
+                    self.comm.Send(payload, dest=r, tag=_LINK_PULL)
+        else:
+            self._poll_recv(self.root, _LINK_GO)
+            push_t, pull_t = StepTimer(), StepTimer()
+            for i in range(warmup + repeats):
+                t0 = time.perf_counter()
+                self.comm.Send(payload, dest=self.root, tag=_LINK_PUSH)
+                self.comm.Recv(one, source=self.root, tag=_LINK_ACK)
+                t1 = time.perf_counter()
+                self.comm.Send(one, dest=self.root, tag=_LINK_REQ)
+                self.comm.Recv(payload, source=self.root, tag=_LINK_PULL)
+                t2 = time.perf_counter()
+                if i >= warmup:
+                    push_t.add(t1 - t0)
+                    pull_t.add(t2 - t1)
+            push, pull = push_t.summary(min_warmup=0), pull_t.summary(min_warmup=0)
+        self.barrier()
+        return push, pull
+
+    # ------------------------------------------------------------------ plans
+    def gather_profiles(self, profile: RankProfile) -> list[RankProfile] | None:
+        """All ranks' profiles on the root (index = rank); None elsewhere."""
+        self.barrier()       # wait politely for the slowest rank; the gather itself is then quick
+        gathered = self.comm.gather(profile.to_dict(), root=self.root)
+        if not self.is_root:
+            return None
+        return [RankProfile.from_dict(d, where=f"rank {i}") for i, d in enumerate(gathered)]
+
+    def broadcast_plan(self, plan: Plan | None = None) -> Plan:
+        """The root's plan on every rank (each rank parses the same JSON)."""
+        text = plan.to_json() if self.is_root else None
+        text = self.comm.bcast(text, root=self.root)
+        self.plan = Plan.from_json(text)
+        self.stage = Stage.AHL
+        return self.plan
+
+    def establish_plan(self, profile: RankProfile) -> Plan:
+        """Gather profiles, plan on the root, broadcast, start answering reports."""
+        profiles = self.gather_profiles(profile)
+        plan = None
+        if self.is_root:
+            with self._lock:
+                plan = self.coordinator.plan_from_profiles(profiles)
+        plan = self.broadcast_plan(plan)
+        if self.is_root:
+            self.stage = self.coordinator.stage
+            if self.size > 1:
+                self._start_service()
+        return plan
+
+    # ---------------------------------------------------------------- commits
+    def report(self, report: CommitReport) -> Directive:
+        """Send this commit's report to the root; returns its directive."""
+        if report.rank != self.rank:
+            raise ValueError(f"rank {self.rank} cannot report for rank {report.rank}")
+        if self.is_root:
+            if self._service_error is not None:
+                raise RuntimeError("coordinator service thread failed") from self._service_error
+            with self._lock:
+                directive = self.coordinator.on_commit(report)
+        else:
+            self.comm.send(report.to_dict(), dest=self.root, tag=_REPORT_TAG)
+            directive = Directive.from_wire(self._poll_recv(self.root, _DIRECTIVE_TAG))
+        if directive.plan is not None:
+            self.plan = directive.plan
+        self.stage = directive.stage
+        return directive
+
+    def evaluation(self, loss: float | None = None, accuracy: float | None = None) -> Stage:
+        """Root only: feed an evaluation result to the stage machine."""
+        if not self.is_root:
+            raise RuntimeError("evaluation results go to the root's coordinator")
+        with self._lock:
+            self.stage = self.coordinator.on_evaluation(loss, accuracy)
+        return self.stage
+
+    def events(self) -> list[CoordinatorEvent]:
+        if not self.is_root:
+            return []
+        with self._lock:
+            return list(self.coordinator.events)
+
+    def _start_service(self) -> None:
+        MPI = self._MPI
+        if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+            raise RuntimeError("the coordinator's service thread needs MPI_THREAD_MULTIPLE; "
+                               "initialise MPI with it (mpi4py's default)")
+        self._thread = threading.Thread(target=self._serve, name="ashl-coordinator", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        MPI = self._MPI
+        status = MPI.Status()
+        pending = self.size - 1
+        while pending:
+            if not self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=status):
+                time.sleep(self.poll_s)
+                continue
+            source, tag = status.Get_source(), status.Get_tag()
+            message = self.comm.recv(source=source, tag=tag)
+            if tag == _BYE_TAG:
+                pending -= 1
+            elif tag == _REPORT_TAG:
+                try:
+                    with self._lock:
+                        directive = self.coordinator.on_commit(CommitReport.from_dict(message))
+                except Exception as exc:  # answer anyway, so the rank does not hang
+                    log.exception("bad commit report from rank %d", source)
+                    self._service_error = exc
+                    directive = Directive(plan_version=self.coordinator.plan.version,
+                                          stage=Stage.DONE, stop=True,
+                                          reason=f"coordinator error: {exc}")
+                self.comm.send(directive.to_wire(), dest=source, tag=_DIRECTIVE_TAG)
+            else:
+                log.warning("ignoring message with tag %d from rank %d", tag, source)
+
+    def close(self) -> None:
+        """Collective: stop the service, then wait for every rank."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.is_root:
+            if self._thread is not None:
+                self._thread.join()
+        elif self.plan is not None and self.size > 1:
+            self.comm.send(None, dest=self.root, tag=_BYE_TAG)
+        self.barrier()
+        self.comm.Free()

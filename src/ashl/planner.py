@@ -1,0 +1,555 @@
+"""Turns measured per-rank speeds into a plan: local steps, compression, data shares.
+
+Pure: no MPI, no torch. Everything here is a function of its arguments, so the same
+profiles and config give the same plan on every machine. docs/PLANNER.md has the
+formulas with a worked example; ashl-algorithm.md sections 3 and 10 explain which
+of the authors' rules are kept and which are fixed.
+
+Per rank i (all times in seconds):
+    c_i   compute time of one local step
+    u_i   dense push time (or a latency + bandwidth model and the dense payload size)
+    d_i   pull time (always dense)
+    g_i   compression time (charged only in stages that compress)
+
+For a stage with bottleneck count k and target ratio r0:
+    C_i = push_i(r0) + d_i (+ g_i if r0 < 1)
+    T   = max_j (k c_j + C_j)                    the bottleneck's round
+    H_i = max(k, floor((T - C_i) / c_i))         floor: nobody's round exceeds T
+    R_i = the ratio whose push fills the rest of T, clipped to [r0, 1]
+    D_i = H_i / sum_j H_j                        exact fraction
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any, Iterable, Mapping, Sequence
+
+__all__ = [
+    "AHL",
+    "SHL",
+    "STAGES",
+    "WEIGHTINGS",
+    "ROUNDINGS",
+    "SHARE_SOURCES",
+    "RankProfile",
+    "PlannerConfig",
+    "StagePlan",
+    "Plan",
+    "make_plan",
+    "plan_stage",
+    "push_seconds",
+    "pull_seconds",
+    "payload_fraction",
+    "round_local_steps",
+    "largest_remainder",
+    "profiles_from_columns",
+    "load_profile_document",
+    "validate_profiles",
+]
+
+AHL = "AHL"
+SHL = "SHL"
+STAGES = (AHL, SHL)
+WEIGHTINGS = ("data_share", "uniform", "fednova")
+ROUNDINGS = ("floor", "half_up", "half_even")
+SHARE_SOURCES = ("stage", "shl")
+
+# Relative slack for floor(): (T - C_i)/c_i is mathematically an integer for the
+# bottleneck, and float error must not turn 8 into 7.999... -> 7.
+_FLOOR_SLACK = 1e-9
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_positive(where: str, name: str, value: Any) -> None:
+    if not _is_number(value) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{where}: {name} must be a finite number > 0, got {value!r}")
+
+
+def _check_non_negative(where: str, name: str, value: Any) -> None:
+    if not _is_number(value) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{where}: {name} must be a finite number >= 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class RankProfile:
+    """What one rank measured (seconds), or a link model that predicts its transfers.
+
+    push_s / pull_s are measured dense round trips. When one is missing, the link model
+    (latency_s + dense_bytes / bytes_per_s, with dense_bytes from PlannerConfig) predicts it.
+    compress_s is optional (0 = not measured or negligible).
+    """
+
+    compute_s: float
+    push_s: float | None = None
+    pull_s: float | None = None
+    compress_s: float = 0.0
+    latency_s: float | None = None
+    bytes_per_s: float | None = None
+    name: str = ""
+
+    def with_compute(self, compute_s: float) -> "RankProfile":
+        return dataclasses.replace(self, compute_s=float(compute_s))
+
+    def with_link_scaled(self, factor: float) -> "RankProfile":
+        """The same rank with every transfer `factor` times slower."""
+        _check_positive("link scale", "factor", factor)
+        return dataclasses.replace(
+            self,
+            push_s=None if self.push_s is None else self.push_s * factor,
+            pull_s=None if self.pull_s is None else self.pull_s * factor,
+            latency_s=None if self.latency_s is None else self.latency_s * factor,
+            bytes_per_s=None if self.bytes_per_s is None else self.bytes_per_s / factor,
+        )
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if getattr(self, f.name) is not None and getattr(self, f.name) != ""}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], where: str = "rank") -> "RankProfile":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"{where}: unknown field(s) {', '.join(unknown)}; "
+                             f"expected some of {', '.join(sorted(known))}")
+        if "compute_s" not in data:
+            raise ValueError(f"{where}: compute_s is missing")
+        return cls(**dict(data))
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """Planner knobs. Defaults follow ashl-algorithm.md section 11."""
+
+    k_ahl: int = 8                      # local steps of the AHL bottleneck
+    k_shl: int = 2                      # local steps of the SHL bottleneck
+    shl_target_ratio: float = 0.1       # r0: top-k ratio of the SHL bottleneck (1 = dense)
+    ahl_target_ratio: float = 1.0       # AHL sends dense deltas unless this is < 1
+    sparse_bytes_factor: float = 2.0    # kappa: sparse bytes / (ratio * dense bytes); fp32 value + int32 index
+    min_ratio: float = 1e-4             # no rank is planned below this ratio
+    weighting: str = "data_share"       # merge weights: data_share | uniform | fednova
+    share_source: str = "stage"         # shares from each stage's own H, or "shl" for both (authors)
+    rounding: str = "floor"             # floor (default) | half_up | half_even (authors' Python round)
+    max_h_ahl: int | None = None        # caps on H (None = no cap)
+    max_h_shl: int | None = None
+    dense_bytes: int | None = None      # dense payload size; needed only for link models
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        where = "config"
+        for name in ("k_ahl", "k_shl"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{where}: {name} must be an integer >= 1, got {value!r}")
+        _check_positive(where, "min_ratio", self.min_ratio)
+        if self.min_ratio > 1:
+            raise ValueError(f"{where}: min_ratio must be <= 1, got {self.min_ratio!r}")
+        for name in ("shl_target_ratio", "ahl_target_ratio"):
+            value = getattr(self, name)
+            _check_positive(where, name, value)
+            if not self.min_ratio <= value <= 1:
+                raise ValueError(f"{where}: {name} must be in [min_ratio={self.min_ratio}, 1], got {value!r}")
+        _check_positive(where, "sparse_bytes_factor", self.sparse_bytes_factor)
+        if self.weighting not in WEIGHTINGS:
+            raise ValueError(f"{where}: weighting must be one of {WEIGHTINGS}, got {self.weighting!r}")
+        if self.share_source not in SHARE_SOURCES:
+            raise ValueError(f"{where}: share_source must be one of {SHARE_SOURCES}, got {self.share_source!r}")
+        if self.rounding not in ROUNDINGS:
+            raise ValueError(f"{where}: rounding must be one of {ROUNDINGS}, got {self.rounding!r}")
+        for name, k in (("max_h_ahl", self.k_ahl), ("max_h_shl", self.k_shl)):
+            cap = getattr(self, name)
+            if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < k):
+                raise ValueError(f"{where}: {name} must be None or an integer >= its stage's k ({k}), got {cap!r}")
+        if self.dense_bytes is not None:
+            if not isinstance(self.dense_bytes, int) or isinstance(self.dense_bytes, bool) or self.dense_bytes <= 0:
+                raise ValueError(f"{where}: dense_bytes must be a positive integer, got {self.dense_bytes!r}")
+
+    def stage_params(self, stage: str) -> tuple[int, float, int | None]:
+        """(k, target ratio, cap) of a stage."""
+        if stage == AHL:
+            return self.k_ahl, self.ahl_target_ratio, self.max_h_ahl
+        if stage == SHL:
+            return self.k_shl, self.shl_target_ratio, self.max_h_shl
+        raise ValueError(f"unknown stage {stage!r}; expected one of {STAGES}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "PlannerConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"config: unknown field(s) {', '.join(unknown)}")
+        return cls(**dict(data))
+
+
+def validate_profiles(profiles: Sequence[RankProfile], config: PlannerConfig) -> None:
+    """Raise ValueError naming the rank and field of the first bad input."""
+    if len(profiles) == 0:
+        raise ValueError("profiles: need at least one rank, got none")
+    for i, p in enumerate(profiles):
+        where = f"rank {i}" + (f" ({p.name})" if p.name else "")
+        if not isinstance(p, RankProfile):
+            raise ValueError(f"{where}: expected a RankProfile, got {type(p).__name__}")
+        _check_positive(where, "compute_s", p.compute_s)
+        _check_non_negative(where, "compress_s", p.compress_s)
+        has_model = p.latency_s is not None or p.bytes_per_s is not None
+        if has_model:
+            _check_non_negative(where, "latency_s", p.latency_s)
+            _check_positive(where, "bytes_per_s", p.bytes_per_s)
+        for name in ("push_s", "pull_s"):
+            value = getattr(p, name)
+            if value is not None:
+                _check_positive(where, name, value)
+            elif not has_model:
+                raise ValueError(f"{where}: {name} is missing and there is no link model "
+                                 f"(latency_s, bytes_per_s) to predict it")
+            elif config.dense_bytes is None:
+                raise ValueError(f"{where}: {name} is predicted from the link model, "
+                                 f"which needs config.dense_bytes")
+
+
+def profiles_from_columns(compute_s: Sequence[float], push_s: Sequence[float] | None = None,
+                          pull_s: Sequence[float] | None = None,
+                          compress_s: Sequence[float] | None = None,
+                          latency_s: Sequence[float] | None = None,
+                          bytes_per_s: Sequence[float] | None = None,
+                          names: Sequence[str] | None = None) -> list[RankProfile]:
+    """Per-field lists (one entry per rank) -> profiles; lengths must agree."""
+    columns = {"compute_s": compute_s, "push_s": push_s, "pull_s": pull_s,
+               "compress_s": compress_s, "latency_s": latency_s,
+               "bytes_per_s": bytes_per_s, "name": names}
+    n = len(compute_s)
+    if n == 0:
+        raise ValueError("profiles: need at least one rank, got none")
+    for name, column in columns.items():
+        if column is not None and len(column) != n:
+            raise ValueError(f"{name} has {len(column)} entries but compute_s has {n} "
+                             f"(one entry per rank)")
+    profiles = []
+    for i in range(n):
+        row = {name: column[i] for name, column in columns.items() if column is not None}
+        profiles.append(RankProfile.from_dict(row, where=f"rank {i}"))
+    return profiles
+
+
+# ----------------------------------------------------------------- transfer model
+
+
+def payload_fraction(ratio: float, sparse_bytes_factor: float) -> float:
+    """Sparse payload size as a fraction of the dense one.
+
+    A top-k payload at ratio r is kappa*r of the dense bytes; once that reaches the
+    dense size a compressor should send dense, so the fraction never exceeds 1.
+    """
+    if ratio >= 1:
+        return 1.0
+    return min(1.0, sparse_bytes_factor * ratio)
+
+
+def _push_parts(p: RankProfile, config: PlannerConfig) -> tuple[float, float]:
+    """(fixed latency, dense transfer seconds) of a push."""
+    if p.push_s is not None:
+        return 0.0, float(p.push_s)
+    return float(p.latency_s or 0.0), config.dense_bytes / p.bytes_per_s
+
+
+def push_seconds(p: RankProfile, ratio: float, config: PlannerConfig) -> float:
+    latency, transfer = _push_parts(p, config)
+    return latency + transfer * payload_fraction(ratio, config.sparse_bytes_factor)
+
+
+def pull_seconds(p: RankProfile, config: PlannerConfig) -> float:
+    if p.pull_s is not None:
+        return float(p.pull_s)
+    return float(p.latency_s or 0.0) + config.dense_bytes / p.bytes_per_s
+
+
+def _ratio_for_budget(p: RankProfile, budget_s: float, floor_ratio: float,
+                      config: PlannerConfig) -> float:
+    """Largest ratio whose push fits in budget_s, within [floor_ratio, 1]."""
+    latency, transfer = _push_parts(p, config)
+    if transfer <= 0:
+        return 1.0
+    fraction = (budget_s - latency) / transfer
+    # The dense payload fits: send dense (more information at no extra time).
+    if fraction >= 1.0 * (1 - _FLOOR_SLACK):
+        return 1.0
+    ratio = fraction / config.sparse_bytes_factor
+    return min(1.0, max(floor_ratio, config.min_ratio, ratio))
+
+
+# ----------------------------------------------------------------------- rounding
+
+
+def round_local_steps(x: float, rule: str = "floor") -> int:
+    """The one rounding rule for H (see docs/PLANNER.md).
+
+    floor      largest integer <= x (with 1e-9 relative slack for float error); default,
+               so that no rank's round is longer than the bottleneck's
+    half_up    floor(x + 0.5)
+    half_even  Python's round(), as the authors' code
+    """
+    if rule == "floor":
+        return math.floor(x + _FLOOR_SLACK * max(1.0, abs(x)))
+    if rule == "half_up":
+        return math.floor(x + 0.5 + _FLOOR_SLACK * max(1.0, abs(x)))
+    if rule == "half_even":
+        return round(x)
+    raise ValueError(f"unknown rounding rule {rule!r}; expected one of {ROUNDINGS}")
+
+
+def largest_remainder(shares: Sequence[Fraction], total: int) -> tuple[int, ...]:
+    """Integers proportional to exact shares that sum to `total`.
+
+    Each rank first gets floor(share * total); the samples left over go one each to the
+    ranks with the largest fractional remainders, ties to the lower rank index.
+    """
+    if not isinstance(total, int) or isinstance(total, bool) or total < 0:
+        raise ValueError(f"total must be an integer >= 0, got {total!r}")
+    if sum(shares) != 1:
+        raise ValueError(f"shares must sum to exactly 1, got {sum(shares)}")
+    quotas = [Fraction(s) * total for s in shares]
+    counts = [math.floor(q) for q in quotas]
+    left = total - sum(counts)
+    order = sorted(range(len(shares)), key=lambda i: (-(quotas[i] - counts[i]), i))
+    for i in order[:left]:
+        counts[i] += 1
+    return tuple(counts)
+
+
+# -------------------------------------------------------------------------- output
+
+
+def _fraction_str(f: Fraction) -> str:
+    return f"{f.numerator}/{f.denominator}"
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One stage's assignment. Tuples are indexed by rank."""
+
+    stage: str
+    k: int
+    target_ratio: float
+    bottleneck: int                      # rank whose round sets the pace
+    local_steps: tuple[int, ...]         # H_i
+    ratios: tuple[float, ...]            # R_i (1.0 = dense)
+    shares: tuple[Fraction, ...]         # D_i, exact, sum to 1
+    merge_weights: tuple[Fraction, ...]  # w_i in W += w_i * delta_i
+    rank_round_s: tuple[float, ...]      # predicted round of each rank
+    round_s: float                       # predicted round = the longest rank round
+    idle_fraction: tuple[float, ...]     # (round_s - rank_round_s[i]) / round_s
+
+    def sample_counts(self, total: int) -> tuple[int, ...]:
+        """Integer shard sizes that add up to `total` (largest-remainder rounding)."""
+        return largest_remainder(self.shares, total)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["shares"] = [_fraction_str(f) for f in self.shares]
+        d["merge_weights"] = [_fraction_str(f) for f in self.merge_weights]
+        for key in ("local_steps", "ratios", "rank_round_s", "idle_fraction"):
+            d[key] = list(d[key])
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "StagePlan":
+        return cls(
+            stage=d["stage"], k=int(d["k"]), target_ratio=float(d["target_ratio"]),
+            bottleneck=int(d["bottleneck"]),
+            local_steps=tuple(int(x) for x in d["local_steps"]),
+            ratios=tuple(float(x) for x in d["ratios"]),
+            shares=tuple(Fraction(x) for x in d["shares"]),
+            merge_weights=tuple(Fraction(x) for x in d["merge_weights"]),
+            rank_round_s=tuple(float(x) for x in d["rank_round_s"]),
+            round_s=float(d["round_s"]),
+            idle_fraction=tuple(float(x) for x in d["idle_fraction"]),
+        )
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything every rank needs to know; identical on all ranks."""
+
+    version: int
+    profiles: tuple[RankProfile, ...]    # what this plan assumed
+    config: PlannerConfig
+    ahl: StagePlan
+    shl: StagePlan
+    shares_from_epoch: int = 0           # data shares apply from this epoch on
+    reason: str = ""
+
+    @property
+    def n_ranks(self) -> int:
+        return len(self.profiles)
+
+    def stage(self, name: str) -> StagePlan:
+        name = getattr(name, "value", name)  # accept ashl.stages.Stage members
+        if name == AHL:
+            return self.ahl
+        if name == SHL:
+            return self.shl
+        raise ValueError(f"no plan for stage {name!r}; plans cover {STAGES}")
+
+    def local_steps(self, rank: int, stage: str) -> int:
+        return self.stage(stage).local_steps[rank]
+
+    def ratio(self, rank: int, stage: str) -> float:
+        return self.stage(stage).ratios[rank]
+
+    def sample_counts(self, total: int, stage: str = SHL) -> tuple[int, ...]:
+        return self.stage(stage).sample_counts(total)
+
+    def to_dict(self) -> dict:
+        return {
+            "version": self.version,
+            "reason": self.reason,
+            "shares_from_epoch": self.shares_from_epoch,
+            "config": self.config.to_dict(),
+            "profiles": [p.to_dict() for p in self.profiles],
+            "stages": {AHL: self.ahl.to_dict(), SHL: self.shl.to_dict()},
+        }
+
+    def to_json(self, indent: int | None = None) -> str:
+        return json.dumps(self.to_dict(), indent=indent, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Plan":
+        return cls(
+            version=int(d["version"]),
+            reason=d.get("reason", ""),
+            shares_from_epoch=int(d.get("shares_from_epoch", 0)),
+            config=PlannerConfig.from_dict(d["config"]),
+            profiles=tuple(RankProfile.from_dict(p, where=f"rank {i}")
+                           for i, p in enumerate(d["profiles"])),
+            ahl=StagePlan.from_dict(d["stages"][AHL]),
+            shl=StagePlan.from_dict(d["stages"][SHL]),
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        return cls.from_dict(json.loads(text))
+
+
+# ------------------------------------------------------------------------ planning
+
+
+def _merge_weights(shares: Sequence[Fraction], local_steps: Sequence[int],
+                   weighting: str) -> tuple[Fraction, ...]:
+    n = len(shares)
+    if weighting == "data_share":          # the authors: W += D_i * delta_i
+        return tuple(shares)
+    if weighting == "uniform":
+        return tuple(Fraction(1, n) for _ in range(n))
+    if weighting == "fednova":
+        # FedNova: delta_i / H_i is rank i's average step; rescaling by
+        # H_eff = sum_j D_j H_j keeps the step size while removing the bias
+        # towards ranks that take more local steps.
+        h_eff = sum(s * h for s, h in zip(shares, local_steps))
+        return tuple(s * h_eff / h for s, h in zip(shares, local_steps))
+    raise ValueError(f"unknown weighting {weighting!r}; expected one of {WEIGHTINGS}")
+
+
+def plan_stage(profiles: Sequence[RankProfile], config: PlannerConfig, stage: str,
+               shares: Sequence[Fraction] | None = None) -> StagePlan:
+    """Plan one stage. `shares` overrides the stage's own H-proportional shares."""
+    k, r0, cap = config.stage_params(stage)
+    compressing = r0 < 1
+    compute = [float(p.compute_s) for p in profiles]
+    pull = [pull_seconds(p, config) for p in profiles]
+    compress = [float(p.compress_s) if compressing else 0.0 for p in profiles]
+    comm = [push_seconds(p, r0, config) + d + g for p, d, g in zip(profiles, pull, compress)]
+
+    rounds_at_k = [k * c + cm for c, cm in zip(compute, comm)]
+    bottleneck = max(range(len(profiles)), key=lambda i: (rounds_at_k[i], -i))
+    target = rounds_at_k[bottleneck]
+
+    local_steps = []
+    for i, (c, cm) in enumerate(zip(compute, comm)):
+        h = k if i == bottleneck else max(k, round_local_steps((target - cm) / c, config.rounding))
+        local_steps.append(h if cap is None else min(h, cap))
+
+    # The longest round after rounding (only differs from target with half_up/half_even).
+    busy = [c * h + cm for c, h, cm in zip(compute, local_steps, comm)]
+    longest = max(busy)
+    ratios = []
+    for i, p in enumerate(profiles):
+        if not compressing:
+            ratios.append(1.0)
+        elif i == bottleneck or busy[i] >= longest:
+            ratios.append(r0)
+        else:
+            budget = longest - compute[i] * local_steps[i] - pull[i] - compress[i]
+            ratios.append(_ratio_for_budget(p, budget, r0, config))
+    rank_round = tuple(compute[i] * local_steps[i] + push_seconds(p, ratios[i], config)
+                       + pull[i] + compress[i] for i, p in enumerate(profiles))
+    round_s = max(rank_round)
+    idle = tuple(max(0.0, (round_s - r) / round_s) for r in rank_round)
+
+    if shares is None:
+        total = sum(local_steps)
+        shares = tuple(Fraction(h, total) for h in local_steps)
+    shares = tuple(shares)
+    return StagePlan(
+        stage=stage, k=k, target_ratio=float(r0), bottleneck=bottleneck,
+        local_steps=tuple(local_steps), ratios=tuple(ratios), shares=shares,
+        merge_weights=_merge_weights(shares, local_steps, config.weighting),
+        rank_round_s=rank_round, round_s=round_s, idle_fraction=idle,
+    )
+
+
+def make_plan(profiles: Iterable[RankProfile], config: PlannerConfig | None = None, *,
+              version: int = 1, shares_from_epoch: int = 0, reason: str = "") -> Plan:
+    """Plan both stages from per-rank profiles (index = rank)."""
+    config = PlannerConfig() if config is None else config
+    profiles = tuple(profiles)
+    validate_profiles(profiles, config)
+    shl = plan_stage(profiles, config, SHL)
+    ahl = plan_stage(profiles, config, AHL,
+                     shares=shl.shares if config.share_source == "shl" else None)
+    return Plan(version=version, profiles=profiles, config=config, ahl=ahl, shl=shl,
+                shares_from_epoch=shares_from_epoch, reason=reason)
+
+
+def load_profile_document(doc: Mapping[str, Any]) -> tuple[list[RankProfile], PlannerConfig, int | None]:
+    """Parse a profile file: {"ranks": [{...}, ...]} or per-field lists under "columns".
+
+    Optional keys: "config" (PlannerConfig fields), "dataset_size" (samples, for shard sizes).
+    """
+    if not isinstance(doc, Mapping):
+        raise ValueError("profile document must be a JSON object")
+    config = PlannerConfig.from_dict(doc.get("config", {}))
+    if "ranks" in doc:
+        ranks = doc["ranks"]
+        if not isinstance(ranks, list):
+            raise ValueError("ranks must be a list with one object per rank")
+        profiles = [RankProfile.from_dict(r, where=f"rank {i}") for i, r in enumerate(ranks)]
+    elif "columns" in doc:
+        columns = dict(doc["columns"])
+        if "name" in columns:
+            columns["names"] = columns.pop("name")
+        try:
+            profiles = profiles_from_columns(**columns)
+        except TypeError as exc:
+            raise ValueError(f"columns: {exc}") from None
+    else:
+        raise ValueError('profile document needs "ranks" (a list) or "columns" (per-field lists)')
+    validate_profiles(profiles, config)
+    size = doc.get("dataset_size")
+    if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 0):
+        raise ValueError(f"dataset_size must be a non-negative integer, got {size!r}")
+    return profiles, config, size

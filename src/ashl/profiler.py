@@ -1,0 +1,155 @@
+"""Timing samples -> robust summaries -> a RankProfile for the planner.
+
+Profiling steps are the run's real training steps: the engine wraps the steps it takes
+anyway in a StepTimer, so profiling costs no lost training (the authors ran it at
+learning rate 0). Push and pull are timed as round trips carrying the real payload on
+one clock; no two machines' clocks are ever compared.
+
+Summary rule (works with 5 samples or 5,000):
+  1. warm-up: drop the first max(min_warmup, floor(warmup_fraction * n)) samples, but
+     always keep at least one;
+  2. trim: of the m samples left, drop floor(trim * m) from each end (nothing when
+     m < 1/trim, so small samples are not emptied);
+  3. mean of what remains ("trimmed mean", the value the planner uses) and the median.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Sequence
+
+from .planner import RankProfile
+
+__all__ = ["TimingSummary", "summarize", "StepTimer", "measure_round_trip", "RankProfiler"]
+
+DEFAULT_WARMUP_FRACTION = 0.1
+DEFAULT_MIN_WARMUP = 1
+DEFAULT_TRIM = 0.1
+
+
+@dataclass(frozen=True)
+class TimingSummary:
+    count: int          # samples given
+    warmup: int         # dropped from the start
+    trimmed: int        # dropped from each end after warm-up
+    used: int           # samples averaged
+    mean: float         # trimmed mean
+    median: float       # median after warm-up
+    minimum: float
+    maximum: float
+
+    def to_dict(self) -> dict:
+        return self.__dict__.copy()
+
+
+def summarize(samples: Iterable[float], *, warmup_fraction: float = DEFAULT_WARMUP_FRACTION,
+              min_warmup: int = DEFAULT_MIN_WARMUP, trim: float = DEFAULT_TRIM,
+              name: str = "samples") -> TimingSummary:
+    """Robust summary of timing samples (seconds); see the module doc for the rule."""
+    values = [float(s) for s in samples]
+    if not values:
+        raise ValueError(f"{name}: no timing samples")
+    for i, v in enumerate(values):
+        if not math.isfinite(v) or v < 0:
+            raise ValueError(f"{name}: sample {i} must be a finite number >= 0, got {v!r}")
+    if not 0 <= warmup_fraction < 1:
+        raise ValueError(f"warmup_fraction must be in [0, 1), got {warmup_fraction!r}")
+    if not 0 <= trim < 0.5:
+        raise ValueError(f"trim must be in [0, 0.5), got {trim!r}")
+    if min_warmup < 0:
+        raise ValueError(f"min_warmup must be >= 0, got {min_warmup!r}")
+    n = len(values)
+    warm = min(n - 1, max(min_warmup, math.floor(warmup_fraction * n)))
+    kept = values[warm:]
+    cut = math.floor(trim * len(kept))
+    core = sorted(kept)[cut:len(kept) - cut]
+    return TimingSummary(count=n, warmup=warm, trimmed=cut, used=len(core),
+                         mean=math.fsum(core) / len(core), median=statistics.median(kept),
+                         minimum=min(kept), maximum=max(kept))
+
+
+class StepTimer:
+    """Collects wall-clock durations: `with timer: step()` or `timer.time(fn, ...)`."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter):
+        self.clock = clock
+        self.samples: list[float] = []
+        self._start: float | None = None
+
+    def __enter__(self) -> "StepTimer":
+        self._start = self.clock()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if exc[0] is None:                     # a failed step is not a timing sample
+            self.samples.append(self.clock() - self._start)
+        self._start = None
+
+    def time(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        with self:
+            return fn(*args, **kwargs)
+
+    def add(self, seconds: float) -> None:
+        self.samples.append(float(seconds))
+
+    def summary(self, **kwargs: Any) -> TimingSummary:
+        return summarize(self.samples, **kwargs)
+
+    def clear(self) -> None:
+        self.samples.clear()
+
+
+def measure_round_trip(exchange: Callable[[], Any], repeats: int = 20, *,
+                       warmup: int = 2, clock: Callable[[], float] = time.perf_counter,
+                       **summary_kwargs: Any) -> TimingSummary:
+    """Time `exchange` (a real send + wait for the answer, with the real payload).
+
+    For a push, exchange() sends the payload and waits for a small acknowledgement;
+    for a pull, it sends a small request and receives the payload. `warmup` extra calls
+    run first and are not recorded (connection set-up, buffer registration).
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats!r}")
+    for _ in range(max(0, warmup)):
+        exchange()
+    timer = StepTimer(clock)
+    for _ in range(repeats):
+        timer.time(exchange)
+    summary_kwargs.setdefault("min_warmup", 0)   # the warm-up calls already ran
+    return timer.summary(**summary_kwargs)
+
+
+class RankProfiler:
+    """One rank's profiling samples; `.profile()` gives the planner's input."""
+
+    FIELDS = ("compute", "push", "pull", "compress")
+
+    def __init__(self, name: str = ""):
+        self.name = name
+        self.samples: dict[str, list[float]] = {f: [] for f in self.FIELDS}
+
+    def record(self, field: str, seconds: float) -> None:
+        if field not in self.samples:
+            raise ValueError(f"unknown field {field!r}; expected one of {self.FIELDS}")
+        self.samples[field].append(float(seconds))
+
+    def extend(self, field: str, seconds: Sequence[float]) -> None:
+        for s in seconds:
+            self.record(field, s)
+
+    def summaries(self, **kwargs: Any) -> dict[str, TimingSummary]:
+        return {f: summarize(v, name=f, **kwargs) for f, v in self.samples.items() if v}
+
+    def profile(self, **kwargs: Any) -> RankProfile:
+        s = self.summaries(**kwargs)
+        for required in ("compute", "push", "pull"):
+            if required not in s:
+                raise ValueError(f"profile{' of ' + self.name if self.name else ''}: "
+                                 f"no {required} samples recorded")
+        return RankProfile(compute_s=s["compute"].mean, push_s=s["push"].mean,
+                           pull_s=s["pull"].mean,
+                           compress_s=s["compress"].mean if "compress" in s else 0.0,
+                           name=self.name)

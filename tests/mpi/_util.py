@@ -1,0 +1,53 @@
+"""Launch tests/mpi/driver.py under mpirun and collect each rank's JSON."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+DRIVER = Path(__file__).resolve().parent / "driver.py"
+
+
+def skip_reason():
+    """Why multi-rank tests cannot run here, or None."""
+    if shutil.which("mpirun") is None:
+        return "mpirun not found (install openmpi-bin)"
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        return "mpi4py is not installed"
+    return None
+
+
+def mpi_env():
+    env = dict(os.environ)
+    env.update({
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")])),
+        "OMPI_ALLOW_RUN_AS_ROOT": "1",
+        "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+        "OMPI_MCA_rmaps_base_oversubscribe": "1",
+        # containers often forbid the cross-memory-attach single-copy path
+        "OMPI_MCA_btl_vader_single_copy_mechanism": "none",
+        "PYTHONUNBUFFERED": "1",
+    })
+    return env
+
+
+def run_driver(np_, out_dir, *args, timeout=60):
+    """Run the driver on np_ ranks; returns the per-rank results, rank order."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cmd = ["mpirun", "-np", str(np_), "--oversubscribe", sys.executable, str(DRIVER),
+           "--out", str(out_dir), *map(str, args)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=mpi_env(), timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"mpirun failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    results = []
+    for r in range(np_):
+        path = out_dir / f"rank{r}.json"
+        assert path.exists(), f"rank {r} wrote no result:\n{proc.stderr[-4000:]}"
+        results.append(json.loads(path.read_text()))
+    return results

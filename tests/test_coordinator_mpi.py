@@ -1,0 +1,255 @@
+"""ashl.coordinator: the pure Coordinator (drift, hysteresis, directives) and, marked
+`mpi`, real multi-rank runs of tests/mpi/driver.py under mpirun."""
+
+import json
+import sys
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+
+from ashl.coordinator import CommitReport, Coordinator, Directive, DriftConfig
+from ashl.planner import Plan, PlannerConfig, RankProfile
+from ashl.stages import Stage, StageConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "mpi"))
+import _util  # noqa: E402
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+def coordinator(n=3, compute=(0.01, 0.02, 0.04), link=0.001, stage=None, drift=None, planner=None):
+    clock = Clock()
+    c = Coordinator(n, planner or PlannerConfig(), stage or StageConfig(), drift or DriftConfig(), clock)
+    c.plan_from_profiles([RankProfile(compute_s=x, push_s=link, pull_s=link) for x in compute])
+    return c, clock
+
+
+def commit(c, clock, rank, step_s=None, loss=1.0, version=None, link_s=None, epoch=0):
+    clock.t += 0.01
+    v = c.plan.version if version is None else version
+    return c.on_commit(CommitReport(rank=rank, plan_version=v, step_s=step_s, link_s=link_s,
+                                    loss=loss, epoch=epoch))
+
+
+# ----------------------------------------------------------------------- pure
+
+
+def test_first_plan_moves_to_ahl_and_is_logged():
+    c, _ = coordinator()
+    assert c.stage is Stage.AHL and c.plan.version == 1
+    assert [e.kind for e in c.events] == ["plan", "stage"]
+    assert c.plan.ahl.local_steps == (32, 16, 8)
+
+
+def test_commit_before_plan_and_bad_rank():
+    c = Coordinator(2, clock=Clock())
+    with pytest.raises(RuntimeError, match="before the first plan"):
+        c.on_commit(CommitReport(rank=0, plan_version=0))
+    c, clock = coordinator()
+    with pytest.raises(ValueError, match="rank 7"):
+        commit(c, clock, 7)
+
+
+def test_directive_carries_plan_only_when_stale():
+    c, clock = coordinator()
+    d = commit(c, clock, 0, version=1)
+    assert d.plan is None and d.plan_version == 1 and d.stage is Stage.AHL and not d.stop
+    d = commit(c, clock, 0, version=0)
+    assert d.plan == c.plan
+    again = Directive.from_wire(json.loads(json.dumps(d.to_wire())))
+    assert again == d
+
+
+def test_sustained_drift_replans_within_a_few_commits():
+    c, clock = coordinator()
+    for _ in range(3):                              # everyone as planned
+        for r, s in enumerate((0.01, 0.02, 0.04)):
+            commit(c, clock, r, step_s=s, epoch=2)
+    assert c.plan.version == 1
+    seen = 0
+    for i in range(5):                              # rank 2 becomes 4x faster
+        d = commit(c, clock, 2, step_s=0.01, version=1)
+        if d.plan is not None:
+            seen = i + 1
+            break
+    assert seen == 3                                # median of 5 flips on the 3rd fast report
+    assert c.plan.version == 2
+    assert c.plan.profiles[2].compute_s == pytest.approx(0.01)
+    assert c.plan.ahl.local_steps == (16, 8, 16)
+    assert c.plan.shares_from_epoch == 3
+    assert "drift: rank 2 compute -75%" in c.events[-1].reason
+
+
+def test_noise_under_threshold_and_single_spikes_do_not_replan():
+    c, clock = coordinator()
+    noise = [1.15, 0.87, 1.1, 3.0, 0.9, 1.18, 0.85, 1.0, 4.0, 1.12]   # +-18 %, and rare spikes
+    for f in noise:
+        for r, s in enumerate((0.01, 0.02, 0.04)):
+            commit(c, clock, r, step_s=s * f)
+    assert c.plan.version == 1
+
+
+def test_hysteresis_refreshes_only_ranks_beyond_release():
+    c, clock = coordinator()
+    factors = (1.05, 1.15, 1.5)                   # 5 % keeps, 15 % refreshes, 50 % triggers
+    for _ in range(3):
+        for r, s in enumerate((0.01, 0.02, 0.04)):
+            commit(c, clock, r, step_s=s * factors[r])
+    assert c.plan.version == 2
+    assert c.plan.profiles[0].compute_s == 0.01
+    assert c.plan.profiles[1].compute_s == pytest.approx(0.023)
+    assert c.plan.profiles[2].compute_s == pytest.approx(0.06)
+
+
+def test_cooldown_between_replans():
+    c, clock = coordinator(drift=DriftConfig(cooldown_commits=10, window=3, min_reports=3))
+    for _ in range(3):
+        commit(c, clock, 0, step_s=0.02)
+    assert c.plan.version == 2
+    for _ in range(3):
+        commit(c, clock, 0, step_s=0.04)         # another doubling, inside the cooldown
+    assert c.plan.version == 2
+    for _ in range(7):
+        commit(c, clock, 0, step_s=0.04)
+    assert c.plan.version == 3
+
+
+def test_small_absolute_change_is_ignored():
+    # rank 0's link doubles, but its link is 0.1 % of the round: no re-plan for that
+    c, clock = coordinator(link=1e-5)
+    for _ in range(5):
+        commit(c, clock, 0, link_s=4e-5)
+    assert c.plan.version == 1
+
+
+def test_link_drift_replans_with_scaled_link():
+    c, clock = coordinator(compute=(0.01, 0.01, 0.01), link=0.05)
+    for _ in range(3):
+        commit(c, clock, 1, link_s=0.3)          # planned 0.1 s round trip, measured 0.3
+    assert c.plan.version == 2
+    assert c.plan.profiles[1].push_s == pytest.approx(0.15)
+    assert c.plan.ahl.local_steps[1] == 8 and c.plan.ahl.bottleneck == 1
+
+
+def test_drift_can_be_disabled():
+    c, clock = coordinator(drift=DriftConfig(enabled=False))
+    for _ in range(6):
+        commit(c, clock, 0, step_s=0.05)
+    assert c.plan.version == 1
+
+
+def test_stage_switch_and_stop_reach_every_rank_with_reasons():
+    c, clock = coordinator(stage=StageConfig(switch_loss=0.3, max_commits=8, ahl_max_commits=100))
+    assert c.plan.ahl.shares == (Fraction(4, 7), Fraction(2, 7), Fraction(1, 7))
+    for r in range(3):
+        assert commit(c, clock, r, loss=1.0).stage is Stage.AHL
+    assert commit(c, clock, 0, loss=0.1).stage is Stage.AHL      # 4/7*0.1 + 3/7*1.0 = 0.486
+    assert c.global_loss == pytest.approx(4 / 7 * 0.1 + 3 / 7)
+    d = commit(c, clock, 1, loss=0.1)                             # 6/7*0.1 + 1/7*1.0 = 0.229
+    assert d.stage is Stage.SHL and not d.stop
+    assert c.machine._weights == c.plan.shl.shares                # global loss now uses SHL shares
+    assert commit(c, clock, 2, loss=0.1).stage is Stage.SHL      # learns at its next commit
+    assert commit(c, clock, 0, loss=0.1).stage is Stage.SHL
+    d = commit(c, clock, 1, loss=0.1)                             # 8th commit
+    assert d.stop and d.stage is Stage.DONE and "commit budget" in d.reason
+    d = commit(c, clock, 2, loss=0.1)
+    assert d.stop
+    kinds = [(e.kind, e.reason.split(":")[0]) for e in c.events]
+    assert kinds[-2:] == [("stage", "AHL -> SHL"), ("stop", "SHL -> DONE")]
+
+
+def test_evaluation_accuracy_stops_run():
+    c, clock = coordinator(stage=StageConfig(target_accuracy=0.8))
+    c.on_evaluation(accuracy=0.85)
+    assert c.stage is Stage.DONE and commit(c, clock, 0).stop
+
+
+# ------------------------------------------------------------------ multi-rank
+
+SKIP = _util.skip_reason()
+mpi = [pytest.mark.mpi, pytest.mark.skipif(SKIP is not None, reason=SKIP or "")]
+
+
+def same_plans(results):
+    first = {r["first_plan"] for r in results}
+    final = {r["final_plan"] for r in results}
+    return len(first) == 1 and len(final) == 1
+
+
+def assert_ratios(local_steps, factors, tol=0.15):
+    """H_i / H_slowest should equal f_slowest / f_i.
+
+    Holds when communication is negligible next to the 5-20 ms emulated steps, as on an
+    idle machine (~10 us round trips). Saturating every core while these run inflates the
+    measured round trips to milliseconds, and the planner rightly moves H to absorb them.
+    """
+    slow = max(range(len(factors)), key=lambda i: factors[i])
+    for h, f in zip(local_steps, factors):
+        expected = factors[slow] / f
+        assert abs((h / local_steps[slow]) / expected - 1) <= tol, (local_steps, factors)
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
+def test_np3_same_plan_ratios_and_replan_on_slowdown_change(tmp_path):
+    # rank 2 turns from 4x slow to full speed after its 3rd commit
+    results = _util.run_driver(3, tmp_path, "--factors", "1,2,4", "--change", "2:1:3",
+                               "--max-commits", 45, timeout=60)
+    assert same_plans(results)
+    first = Plan.from_json(results[0]["first_plan"])
+    assert first.version == 1 and first.ahl.bottleneck == 2 and first.ahl.local_steps[2] == 8
+    assert_ratios(first.ahl.local_steps, (1, 2, 4))
+    final = Plan.from_json(results[0]["final_plan"])
+    assert final.version >= 2 and final.ahl.bottleneck == 1
+    assert_ratios(final.ahl.local_steps, (1, 2, 1))
+    changed = results[2]
+    got = [p for p in changed["plans_seen"] if p["version"] >= 2][0]
+    assert got["commit"] - 3 <= 5, changed["plans_seen"]          # within a few commits
+    events = results[0]["events"]
+    assert any(e["kind"] == "plan" and "drift: rank 2 compute" in e["reason"] for e in events)
+    for r in results:
+        assert r["stop_reason"].startswith("commit budget")
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
+def test_np4_oversubscribed_switches_on_loss(tmp_path):
+    results = _util.run_driver(4, tmp_path, "--factors", "1,1,2,4", "--loss-halflife", 0.3,
+                               "--switch-loss", 0.3, "--ahl-max-commits", 400, "--max-commits", 80,
+                               timeout=60)
+    assert same_plans(results)
+    plan = Plan.from_json(results[0]["first_plan"])
+    assert_ratios(plan.ahl.local_steps, (1, 1, 2, 4))
+    transitions = results[0]["transitions"]
+    switch = [t for t in transitions if t["to_stage"] == "SHL"]
+    assert len(switch) == 1 and "switch_loss" in switch[0]["reason"]
+    for r in results:
+        stages = [s["stage"] for s in r["stages_seen"]]
+        assert stages == ["AHL", "SHL", "DONE"], stages
+        # SHL rounds use the SHL local steps
+        shl = [c for c in r["commits"] if c["stage"] == "SHL"]
+        assert shl and all(c["h"] == plan.shl.local_steps[r["rank"]] for c in shl)
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
+def test_np3_switches_on_ahl_budget_and_stops_on_time(tmp_path):
+    # the loss never falls, so only the AHL commit budget can end AHL
+    results = _util.run_driver(3, tmp_path, "--factors", "1,2,4", "--ahl-max-commits", 12,
+                               "--max-seconds", 2.5, timeout=60)
+    assert same_plans(results)
+    transitions = results[0]["transitions"]
+    assert [t["to_stage"] for t in transitions] == ["AHL", "SHL", "DONE"]
+    assert "AHL commit budget" in transitions[1]["reason"]
+    assert transitions[1]["commits"] == 12
+    assert "time budget" in transitions[2]["reason"]
+    for r in results:
+        assert r["stop_reason"].startswith("time budget")
+        assert [s["stage"] for s in r["stages_seen"]] == ["AHL", "SHL", "DONE"]

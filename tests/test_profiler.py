@@ -1,0 +1,136 @@
+"""ashl.profiler: robust summaries, timers, round trips; ashl.emulation's slowdown."""
+
+import time
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ashl.emulation import ComputeSlowdown, compute_factor_from_env, factors_from_string
+from ashl.profiler import RankProfiler, StepTimer, measure_round_trip, summarize
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+    def sleep(self, s):
+        self.t += s
+
+
+def test_five_samples_warmup_dropped_no_trim():
+    s = summarize([10.0, 1.0, 2.0, 3.0, 4.0])
+    assert (s.count, s.warmup, s.trimmed, s.used) == (5, 1, 0, 4)
+    assert s.mean == pytest.approx(2.5)
+    assert s.median == pytest.approx(2.5)
+
+
+def test_five_thousand_samples_trim_ten_percent_each_side():
+    values = [100.0] * 10 + [1.0] * 4980 + [1e6] * 10     # warm-up spikes and outliers
+    s = summarize(values)
+    assert s.warmup == 500 and s.trimmed == 450
+    assert s.mean == pytest.approx(1.0)
+    assert s.maximum == 1e6
+
+
+def test_single_sample_is_kept():
+    s = summarize([0.25])
+    assert (s.warmup, s.used, s.mean) == (0, 1, 0.25)
+
+
+def test_bad_samples():
+    with pytest.raises(ValueError, match="no timing samples"):
+        summarize([])
+    with pytest.raises(ValueError, match="compute: sample 1"):
+        summarize([0.1, float("nan")], name="compute")
+    with pytest.raises(ValueError, match="trim"):
+        summarize([0.1], trim=0.5)
+
+
+@given(st.lists(st.floats(min_value=0, max_value=1e3), min_size=1, max_size=300))
+def test_summary_is_within_range(values):
+    s = summarize(values)
+    assert s.used >= 1
+    kept = values[s.warmup:]
+    assert min(kept) - 1e-9 <= s.mean <= max(kept) + 1e-9
+    assert s.used == len(kept) - 2 * s.trimmed
+
+
+def test_step_timer_records_blocks_and_skips_failures():
+    clock = FakeClock()
+    timer = StepTimer(clock)
+    with timer:
+        clock.sleep(0.5)
+    timer.time(clock.sleep, 0.25)
+    with pytest.raises(RuntimeError):
+        with timer:
+            raise RuntimeError("step failed")
+    assert timer.samples == [0.5, 0.25]
+
+
+def test_round_trip_runs_warmup_then_repeats():
+    calls = []
+    summary = measure_round_trip(lambda: calls.append(1), repeats=7, warmup=3)
+    assert len(calls) == 10 and summary.count == 7 and summary.warmup == 0
+
+
+def test_rank_profiler_builds_profile():
+    rp = RankProfiler(name="gpu0")
+    rp.extend("compute", [1.0] + [0.1] * 20)
+    rp.extend("push", [0.02] * 5)
+    rp.extend("pull", [0.03] * 5)
+    p = rp.profile()
+    assert p.compute_s == pytest.approx(0.1) and p.push_s == pytest.approx(0.02)
+    assert p.compress_s == 0.0 and p.name == "gpu0"
+    with pytest.raises(ValueError, match="no pull samples"):
+        r = RankProfiler()
+        r.record("compute", 0.1)
+        r.record("push", 0.1)
+        r.profile()
+    with pytest.raises(ValueError, match="unknown field"):
+        rp.record("latency", 0.1)
+
+
+def test_compute_slowdown_multiplies_step_time():
+    clock = FakeClock()
+    slow = ComputeSlowdown(4.0, clock=clock, sleep=clock.sleep)
+    with slow:
+        clock.sleep(0.01)
+    assert clock.t == pytest.approx(0.04)
+    slow.factor = 1.0
+    slow.run(clock.sleep, 0.01)
+    assert clock.t == pytest.approx(0.05)
+    with pytest.raises(ValueError):
+        slow.factor = 0.5
+
+
+def test_compute_slowdown_pays_back_oversleep():
+    clock = FakeClock()
+    late = lambda s: clock.sleep(s + 0.004)       # every wake-up 4 ms late
+    slow = ComputeSlowdown(3.0, clock=clock, sleep=late)
+    starts = []
+    for _ in range(10):
+        starts.append(clock.t)
+        with slow:
+            clock.sleep(0.01)
+    # without pay-back each step would take 34 ms; on average it is 30 ms
+    assert (clock.t - starts[0]) / 10 == pytest.approx(0.03, abs=0.0005)
+
+
+def test_compute_slowdown_real_sleep():
+    slow = ComputeSlowdown(3.0)
+    t0 = time.perf_counter()
+    with slow:
+        time.sleep(0.01)
+    assert time.perf_counter() - t0 == pytest.approx(0.03, rel=0.5)
+
+
+def test_factor_parsing(monkeypatch):
+    assert factors_from_string("1, 2,4") == [1.0, 2.0, 4.0]
+    with pytest.raises(ValueError, match="bad slowdown"):
+        factors_from_string("1,x")
+    monkeypatch.setenv("ASHL_EMULATE_COMPUTE", "1,2")
+    assert compute_factor_from_env(1) == 2.0 and compute_factor_from_env(5) == 1.0
