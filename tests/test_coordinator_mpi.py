@@ -109,7 +109,8 @@ def test_hysteresis_refreshes_only_ranks_beyond_release():
 
 
 def test_cooldown_between_replans():
-    c, clock = coordinator(drift=DriftConfig(cooldown_commits=10, window=3, min_reports=3))
+    c, clock = coordinator(drift=DriftConfig(cooldown_commits=10, window=3, min_reports=3,
+                                             cooldown_s=0.0))
     for _ in range(3):
         commit(c, clock, 0, step_s=0.02)
     assert c.plan.version == 2
@@ -119,6 +120,17 @@ def test_cooldown_between_replans():
     for _ in range(7):
         commit(c, clock, 0, step_s=0.04)
     assert c.plan.version == 3
+
+
+def test_cooldown_in_seconds_between_replans():
+    c, clock = coordinator(drift=DriftConfig(cooldown_commits=0, window=3, min_reports=3,
+                                             cooldown_s=1e6))
+    for _ in range(3):
+        commit(c, clock, 0, step_s=0.02)
+    assert c.plan.version == 2
+    for _ in range(20):
+        commit(c, clock, 0, step_s=0.08)         # drifted again, but too soon
+    assert c.plan.version == 2
 
 
 def test_small_absolute_change_is_ignored():

@@ -102,6 +102,8 @@ class DriftConfig:
     min_reports: int = 3            # reports needed before a rank's estimate counts
     min_round_change: float = 0.05  # ignore errors that move the rank's round by less than this
     cooldown_commits: int | None = None  # commits (all ranks) between re-plans; None = 2 * n_ranks
+    cooldown_s: float = 1.0         # and at least this long: re-planning faster than ranks can
+                                    # measure only chases noise
 
     def __post_init__(self) -> None:
         if not 0 < self.release <= self.threshold:
@@ -113,6 +115,8 @@ class DriftConfig:
             raise ValueError(f"drift config: min_reports must be in [1, window], got {self.min_reports!r}")
         if self.min_round_change < 0:
             raise ValueError(f"drift config: min_round_change must be >= 0, got {self.min_round_change!r}")
+        if not (isinstance(self.cooldown_s, (int, float)) and self.cooldown_s >= 0):
+            raise ValueError(f"drift config: cooldown_s must be >= 0, got {self.cooldown_s!r}")
         if self.cooldown_commits is not None and self.cooldown_commits < 0:
             raise ValueError(f"drift config: cooldown_commits must be >= 0, got {self.cooldown_commits!r}")
 
@@ -157,6 +161,7 @@ class Coordinator:
         self._steps = [deque(maxlen=w) for _ in range(n_ranks)]
         self._links = [deque(maxlen=w) for _ in range(n_ranks)]   # (seconds, ratio)
         self._replanned_at = 0
+        self._replanned_time = float("-inf")
         self._max_epoch = 0
         self._seen_transitions = 0
 
@@ -269,7 +274,8 @@ class Coordinator:
         if not cfg.enabled:
             return
         cooldown = 2 * self.n_ranks if cfg.cooldown_commits is None else cfg.cooldown_commits
-        if self.plan.version > 1 and self.machine.commits - self._replanned_at < cooldown:
+        if self.plan.version > 1 and (self.machine.commits - self._replanned_at < cooldown
+                                      or self.clock() - self._replanned_time < cfg.cooldown_s):
             return
         drifts = self.drifts()
         triggers = [d for d in drifts if d.significant]
@@ -290,6 +296,12 @@ class Coordinator:
         self.plan = make_plan(profiles, self.planner_config, version=self.plan.version + 1,
                               shares_from_epoch=self._max_epoch + 1, reason=reason)
         self._replanned_at = self.machine.commits
+        self._replanned_time = self.clock()
+        # Hysteresis: a refreshed rank's estimate is now the plan; judge it again only on
+        # reports made under the new plan.
+        for d in drifts:
+            if abs(d.relative) > cfg.release:
+                (self._steps if d.what == "compute" else self._links)[d.rank].clear()
         self._sync_stage()
         self._log("plan", reason)
 
@@ -331,6 +343,7 @@ class MPICoordinator:
         self.plan: Plan | None = None
         self.stage = Stage.PROFILE
         self._lock = threading.Lock()
+        self._serving = False
         self._thread: threading.Thread | None = None
         self._service_error: BaseException | None = None
         self._closed = False
@@ -338,6 +351,11 @@ class MPICoordinator:
     @property
     def is_root(self) -> bool:
         return self.rank == self.root
+
+    @property
+    def lock(self) -> threading.Lock:
+        """Held while the root's Coordinator changes; share it with a server feeding it."""
+        return self._lock
 
     # ---------------------------------------------------------------- helpers
     def _wait(self, request: Any) -> Any:
@@ -418,8 +436,13 @@ class MPICoordinator:
         self.stage = Stage.AHL
         return self.plan
 
-    def establish_plan(self, profile: RankProfile) -> Plan:
-        """Gather profiles, plan on the root, broadcast, start answering reports."""
+    def establish_plan(self, profile: RankProfile, serve_reports: bool = True) -> Plan:
+        """Gather profiles, plan on the root, broadcast, start answering reports (collective).
+
+        With ``serve_reports=False`` (same on every rank) no report thread starts: a parameter
+        server that receives the commits feeds ``self.coordinator`` itself, under ``self.lock``.
+        """
+        self._serving = serve_reports
         profiles = self.gather_profiles(profile)
         plan = None
         if self.is_root:
@@ -428,7 +451,7 @@ class MPICoordinator:
         plan = self.broadcast_plan(plan)
         if self.is_root:
             self.stage = self.coordinator.stage
-            if self.size > 1:
+            if self.size > 1 and serve_reports:
                 self._start_service()
         return plan
 
@@ -506,7 +529,7 @@ class MPICoordinator:
         if self.is_root:
             if self._thread is not None:
                 self._thread.join()
-        elif self.plan is not None and self.size > 1:
+        elif self.plan is not None and self.size > 1 and self._serving:
             self.comm.send(None, dest=self.root, tag=_BYE_TAG)
         self.barrier()
         self.comm.Free()

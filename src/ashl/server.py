@@ -1,0 +1,274 @@
+"""The parameter server: the global model's home on one rank, beside its training loop.
+
+``ParameterServer`` is the merge rule and the staleness gate, with no MPI: it takes a decoded
+commit and says which replies go out now. ``ServerThread`` is the MPI edge: it receives
+commits on ``protocol.TAG_TO_SERVER`` (every rank, the host rank included, sends its commits
+the same way), hands them to the server and sends the replies on ``protocol.TAG_TO_RANK``.
+
+Merge: ``global += merge_weight[rank] * staleness(version - base_version) * delta`` with the
+fused kernels (dense or bounds-checked sparse), all or nothing: a delta holding NaN/Inf is
+rejected and counted, and the sender is told so (it then resumes from the global model).
+SHL: a rank more than ``bound`` commits ahead of the slowest live rank gets its reply only
+once the slowest catches up (its delta is merged at once; only its next round waits). A stop
+releases every waiting rank, so the wait can never deadlock.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from . import protocol
+from .compression import Payload
+from .coordinator import CommitReport, Coordinator, Directive
+from .planner import Plan
+from .protocol import Flag, Header, Kind, StageCode
+from .staleness import Staleness, parse_staleness
+from .stages import Stage
+
+log = logging.getLogger("ashl.server")
+
+
+@dataclass
+class ServerStats:
+    merged: int = 0
+    rejected_nonfinite: int = 0
+    rejected_invalid: int = 0
+    max_staleness: int = 0
+    max_shl_lead: int = 0          # the furthest any SHL reply went ahead of the slowest rank
+    waits: int = 0                 # SHL replies held back by the staleness bound
+    bytes_received: int = 0
+    shl_log: list = field(default_factory=list)   # (rank, shl commit, slowest live) per reply
+
+    def to_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d["shl_log"] = [list(x) for x in self.shl_log[-10000:]]
+        return d
+
+
+@dataclass
+class Reply:
+    dest: int
+    header: Header
+    payload: Optional[torch.Tensor]   # the global model (or its downlink copy), or None
+    plan: Optional[Plan] = None       # sent right after the model when PLAN_FOLLOWS
+
+
+class ParameterServer:
+    """Global model (flat fp32), merge rule and SHL staleness gate. Not thread-safe by itself:
+    ServerThread serialises every call."""
+
+    def __init__(self, initial: torch.Tensor, n_ranks: int, coordinator: Coordinator, *,
+                 rank: int = 0, staleness: "str | Staleness" = "none", bound: int = 3,
+                 downlink: torch.dtype = torch.float32,
+                 clock: Callable[[], float] = time.monotonic):
+        if initial.dtype != torch.float32 or initial.dim() != 1:
+            raise ValueError("the global model must be a flat fp32 tensor")
+        if bound < 0:
+            raise ValueError(f"staleness bound must be >= 0, got {bound}")
+        if downlink not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"downlink dtype must be float32, float16 or bfloat16, got {downlink}")
+        self.model = initial.detach().clone().contiguous()
+        self.n_ranks = n_ranks
+        self.rank = rank             # where the server runs: the sender of every reply
+        self.coordinator = coordinator
+        self.staleness = parse_staleness(staleness)
+        self.bound = int(bound)
+        self.downlink = downlink
+        self._downlink_buf = None if downlink == torch.float32 else torch.empty(
+            self.model.numel(), dtype=downlink)
+        self._downlink_version = -1
+        self.clock = clock
+        self.version = 0
+        self.live = set(range(n_ranks))
+        self.shl_commits = [0] * n_ranks
+        self.waiting: dict[int, Header] = {}     # rank -> the header its reply answers
+        self.stats = ServerStats()
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def stopped(self) -> bool:
+        return self.coordinator.machine.done
+
+    def slowest_shl(self) -> int:
+        live = [self.shl_commits[r] for r in self.live]
+        return min(live) if live else max(self.shl_commits)
+
+    def weight(self, rank: int, stage: Stage) -> float:
+        plan = self.coordinator.plan
+        name = stage.value if stage in (Stage.AHL, Stage.SHL) else Stage.AHL.value
+        return float(plan.stage(name).merge_weights[rank]) if plan else 1.0 / self.n_ranks
+
+    # ------------------------------------------------------------------ commits
+    def handle(self, header: Header, payload: Optional[torch.Tensor]) -> list[Reply]:
+        """Apply one validated message; returns the replies to send now."""
+        rank = header.rank
+        if header.kind == Kind.PULL:
+            return [self._reply(rank, header, accepted=True)]
+        if header.kind == Kind.STOP:
+            self._leave(rank, "left")
+            return self._release()
+        if header.kind not in (Kind.DENSE_DELTA, Kind.SPARSE_DELTA):
+            raise protocol.ProtocolError("kind", f"the server does not take {Kind(header.kind).name}")
+        stage = Stage(StageCode(header.stage).name)
+        staleness = max(0, self.version - header.base_version)
+        self.stats.max_staleness = max(self.stats.max_staleness, staleness)
+        self.stats.bytes_received += protocol.HEADER_SIZE + header.payload_nbytes
+        accepted = False
+        if not self.stopped:   # after DONE, late deltas are not merged
+            weight = self.weight(rank, stage) * self.staleness(staleness)
+            accepted = Payload.from_message(header, payload).merge_into(self.model, weight)
+            if accepted:
+                self.version += 1
+                self.stats.merged += 1
+            else:
+                self.stats.rejected_nonfinite += 1
+                log.warning("rank %d: commit %d holds NaN/Inf; rejected (rank resumes from the "
+                            "global model)", rank, header.commit)
+        directive = self.coordinator.on_commit(self._report(header))
+        if stage == Stage.SHL:
+            self.shl_commits[rank] += 1
+        if header.flags & Flag.FINAL:
+            self._leave(rank, "finished")
+        replies = []
+        if self.stopped or rank not in self.live or not self._must_wait(rank, stage, directive):
+            replies.append(self._reply(rank, header, accepted, directive))
+        else:
+            self.waiting[rank] = header.replace(flags=header.flags | (Flag.ACCEPTED if accepted else 0))
+            self.stats.waits += 1
+        return replies + self._release()
+
+    def stop(self, reason: str) -> list[Reply]:
+        """End the run (e.g. an evaluation reached its target): release every waiting rank."""
+        self.coordinator.stop(reason)
+        return self._release()
+
+    def _must_wait(self, rank: int, stage: Stage, directive: Directive) -> bool:
+        return (stage == Stage.SHL and directive.stage == Stage.SHL
+                and self.shl_commits[rank] - self.slowest_shl() > self.bound)
+
+    def _release(self) -> list[Reply]:
+        out = []
+        for rank, header in list(self.waiting.items()):
+            if self.stopped or self.shl_commits[rank] - self.slowest_shl() <= self.bound:
+                del self.waiting[rank]
+                out.append(self._reply(rank, header, bool(header.flags & Flag.ACCEPTED)))
+        return out
+
+    def _leave(self, rank: int, why: str) -> None:
+        if rank in self.live:
+            self.live.discard(rank)
+            log.info("rank %d %s; %d ranks live", rank, why, len(self.live))
+
+    def _report(self, h: Header) -> CommitReport:
+        opt = lambda x: None if math.isnan(x) else x  # noqa: E731 - NaN is "not measured"
+        link = opt(h.link_s)
+        return CommitReport(rank=h.rank, plan_version=h.plan_version, step_s=opt(h.step_s),
+                            link_s=link, link_ratio=h.link_ratio, loss=opt(h.loss),
+                            samples=h.samples, local_steps=h.local_steps, epoch=h.epoch)
+
+    def _reply(self, rank: int, asked: Header, accepted: bool,
+               directive: Optional[Directive] = None) -> Reply:
+        if directive is None:
+            directive = self.coordinator.directive(asked.plan_version)
+        if directive.stage == Stage.SHL and asked.kind in (Kind.DENSE_DELTA, Kind.SPARSE_DELTA):
+            lead = self.shl_commits[rank] - self.slowest_shl()
+            self.stats.max_shl_lead = max(self.stats.max_shl_lead, lead)
+            self.stats.shl_log.append((rank, self.shl_commits[rank], self.slowest_shl()))
+        flags = Flag(0)
+        if accepted:
+            flags |= Flag.ACCEPTED
+        if directive.stop or rank not in self.live:
+            flags |= Flag.STOP
+        if directive.plan is not None:
+            flags |= Flag.PLAN_FOLLOWS
+        if flags & Flag.STOP:
+            self._leave(rank, "stopped")   # told to stop: it sends nothing more
+        body = self._downlink()
+        header = Header(kind=Kind.REPLY, rank=self.rank, stage=StageCode[directive.stage.value],
+                        commit=asked.commit, base_version=self.version,
+                        plan_version=directive.plan_version, dtype=protocol.DType.of(body.dtype),
+                        numel=body.numel(), flags=flags)
+        return Reply(rank, header, body, directive.plan)
+
+    def _downlink(self) -> torch.Tensor:
+        if self._downlink_buf is None:
+            return self.model
+        if self._downlink_version != self.version:
+            self._downlink_buf.copy_(self.model)
+            self._downlink_version = self.version
+        return self._downlink_buf
+
+
+class ServerThread:
+    """Runs a ParameterServer on this rank: receive, handle, reply, until every rank left."""
+
+    def __init__(self, server: ParameterServer, comm, *, poll_s: float = 2e-4,
+                 lock: Optional[threading.Lock] = None):
+        self.server = server
+        self.comm = comm
+        self.poll_s = poll_s
+        self.lock = lock or threading.Lock()   # shared with whoever else reads the coordinator
+        self.buffer = protocol.MessageBuffer(protocol.max_payload_nbytes(server.model.numel()))
+        self.error: Optional[BaseException] = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ashl-server", daemon=True)
+
+    def start(self) -> "ServerThread":
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        try:
+            while self.server.live and not self._stop.is_set():
+                if not self.comm.Iprobe(source=_any_source(), tag=protocol.TAG_TO_SERVER):
+                    time.sleep(self.poll_s)
+                    continue
+                try:
+                    msg = protocol.recv(self.comm, self.buffer, tag=protocol.TAG_TO_SERVER,
+                                        model_numel=self.server.model.numel())
+                except protocol.ProtocolError as exc:
+                    self.server.stats.rejected_invalid += 1
+                    log.error("rejected a malformed message: %s", exc)
+                    continue
+                with self.lock:
+                    try:
+                        replies = self.server.handle(msg.header, msg.payload)
+                    except (protocol.ProtocolError, IndexError, ValueError) as exc:
+                        self.server.stats.rejected_invalid += 1
+                        log.error("rank %d: rejected commit %d: %s", msg.header.rank,
+                                  msg.header.commit, exc)
+                        replies = [self.server._reply(msg.header.rank, msg.header, False)]
+                for r in replies:
+                    self._send(r)
+        except BaseException as exc:  # noqa: BLE001 - reported to the training thread
+            self.error = exc
+            log.exception("the parameter server failed")
+
+    def _send(self, r: Reply) -> None:
+        protocol.send(self.comm, r.dest, r.header, r.payload, tag=protocol.TAG_TO_RANK)
+        if r.header.flags & Flag.PLAN_FOLLOWS:
+            body = protocol.json_payload(r.plan.to_dict())
+            protocol.send(self.comm, r.dest,
+                          Header(kind=Kind.PLAN, rank=self.server.rank, stage=r.header.stage,
+                                 plan_version=r.header.plan_version, dtype=protocol.DType.UINT8,
+                                 numel=body.size),
+                          body, tag=protocol.TAG_TO_RANK)
+
+    def join(self, timeout: Optional[float] = None) -> None:
+        self._thread.join(timeout)
+        if self.error is not None:
+            raise RuntimeError("the parameter server failed") from self.error
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def _any_source() -> int:
+    from mpi4py import MPI
+    return MPI.ANY_SOURCE

@@ -1,0 +1,286 @@
+"""ASHL through a parameter server: profile, then AHL (dense, asynchronous), then SHL (top-k
+with error feedback, bounded staleness), each rank with its own local-step count H_i.
+
+The server runs as a thread on ``server_rank`` (rank 0 by default) beside that rank's
+training; every rank, that one included, commits over MPI point-to-point.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Callable, Optional
+
+import torch
+
+from .. import kernels, protocol
+from ..compression import Compression, Compressor, Payload, Residual
+from ..coordinator import DriftConfig, MPICoordinator
+from ..planner import Plan, PlannerConfig
+from ..profiler import RankProfiler
+from ..protocol import Flag, Header, Kind, StageCode
+from ..server import ParameterServer, ServerThread
+from ..stages import Stage, StageConfig
+from .base import Strategy, loss_value
+
+log = logging.getLogger("ashl")
+
+
+def mpi_world():
+    from mpi4py import MPI
+    if MPI.COMM_WORLD.Get_size() == 1 and _launched_by_gloo():
+        raise RuntimeError("ashl needs an MPI launch (horovodrun without --gloo, mpirun, or "
+                           "srun --mpi=pmix): under Gloo every rank sees an MPI world of size 1")
+    if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+        raise RuntimeError("ashl's server thread needs MPI_THREAD_MULTIPLE (mpi4py's default "
+                           "request); MPI was initialised with less")
+    return MPI
+
+
+def _launched_by_gloo() -> bool:
+    import os
+    return "HOROVOD_GLOO_RENDEZVOUS_ADDR" in os.environ
+
+
+class AshlStrategy(Strategy):
+    name = "ashl"
+
+    def __init__(self, model, params, *, sampler=None, comm=None, compression=None,
+                 staleness: str = "polynomial(0.5)", bound: int = 3, profile_steps: int = 10,
+                 server_rank: int = 0, downlink: torch.dtype = torch.float32,
+                 planner_config: Optional[PlannerConfig] = None,
+                 stage_config: Optional[StageConfig] = None,
+                 drift_config: Optional[DriftConfig] = None,
+                 evaluate: Optional[Callable[[], float]] = None, eval_every_s: float = 2.0,
+                 poll_s: float = 2e-4):
+        MPI = mpi_world()
+        comm = (MPI.COMM_WORLD if comm is None else comm)
+        super().__init__(model, params, sampler=sampler, rank=comm.Get_rank(),
+                         size=comm.Get_size())
+        if not 0 <= server_rank < self.size:
+            raise ValueError(f"server_rank {server_rank} is not a rank of this {self.size}-rank job")
+        if profile_steps < 3:
+            raise ValueError(f"profile_steps must be >= 3 (one is warm-up), got {profile_steps}")
+        self.comm = comm.Dup()               # commits and replies: a tag space of their own
+        self.server_rank = server_rank
+        self.mc = MPICoordinator(comm, root=server_rank, planner_config=planner_config,
+                                 stage_config=stage_config, drift_config=drift_config)
+        self.compression = compression       # None: the plan's R_i (top-k in SHL)
+        self.staleness, self.bound, self.downlink = staleness, bound, downlink
+        self.profile_steps = profile_steps
+        self.evaluate, self.eval_every_s = evaluate, eval_every_s
+        self.poll_s = poll_s
+        self.profiler = RankProfiler(name=self.host)
+        self.anchors: Optional[list[torch.Tensor]] = None
+        self.residual = Residual(self.tensors) if all(
+            t.dtype == torch.float32 for t in self.tensors) else None
+        self.send_buf = torch.empty(4 * self.numel, dtype=torch.uint8)
+        self.reply_buf = protocol.MessageBuffer(4 * self.numel)
+        self.server: Optional[ServerThread] = None
+        self.version = 0                     # global version of the model we hold
+        self.round_steps = 0
+        self.last_link_s: Optional[float] = None
+        self.last_ratio = 1.0
+        self.rejected = 0
+        self.bytes_sent = 0
+        self.epoch = 0
+        self._last_eval = 0.0
+        self.events: list[tuple[float, str, dict]] = []   # for the timeline
+
+    # ---------------------------------------------------------------- helpers
+    @property
+    def is_server(self) -> bool:
+        return self.rank == self.server_rank
+
+    def local_steps_target(self) -> int:
+        if self.stage == Stage.PROFILE:
+            return self.profile_steps
+        return self.plan.local_steps(self.rank, self.stage.value)
+
+    def compressor(self) -> Compressor:
+        if self.compression is not None and self.stage == Stage.SHL:
+            return self.compression
+        if self.stage == Stage.SHL and self.residual is not None:
+            ratio = self.plan.ratio(self.rank, Stage.SHL.value)
+            return Compression.topk(ratio) if ratio < 1.0 else Compression.none
+        return Compression.none
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    # ---------------------------------------------------------------- driving
+    def before_step(self) -> None:
+        if self.anchors is None:
+            # The model as broadcast before training: the anchor of the first delta and,
+            # on the server rank, the first global model.
+            self.anchors = [t.detach().clone() for t in self.tensors]
+
+    def after_step(self, loss) -> None:
+        if self.finished:
+            raise RuntimeError("this optimizer has finished (opt.finished is True); "
+                               "stop the training loop")
+        dt = self.clock.step_done()
+        self.local_steps += 1
+        self.round_steps += 1
+        value = loss_value(loss)
+        if value is not None and math.isfinite(value):
+            self.loss.add(value)
+        if self.stage == Stage.PROFILE:
+            self.profiler.record("compute", dt)
+        if self.round_steps >= self.local_steps_target():
+            t0 = time.perf_counter()
+            if self.stage == Stage.PROFILE:
+                self._make_plan()
+            self._commit()
+            self.clock.exclude(time.perf_counter() - t0)
+
+    def _make_plan(self) -> None:
+        push, pull = self.mc.measure_link(4 * self.numel)
+        self.profiler.extend("push", [push.mean])
+        self.profiler.extend("pull", [pull.mean])
+        profile = self.profiler.profile(min_warmup=1)
+        if self.is_server:
+            flat = torch.empty(self.numel, dtype=torch.float32)
+            kernels.pack_delta(self.anchors, [torch.zeros_like(a) for a in self.anchors], flat)
+            server = ParameterServer(flat, self.size, self.mc.coordinator, rank=self.rank,
+                                     staleness=self.staleness, bound=self.bound,
+                                     downlink=self.downlink)
+            self.server = ServerThread(server, self.comm, poll_s=self.poll_s, lock=self.mc.lock)
+        plan = self.mc.establish_plan(profile, serve_reports=False)
+        if self.server is not None:
+            self.server.start()
+        self._apply_plan(plan)
+        self.stage = Stage.AHL
+        self._event("plan", version=plan.version, H=self.local_steps_target())
+
+    def _apply_plan(self, plan: Plan) -> None:
+        self.plan = plan
+        if self.sampler is not None and hasattr(self.sampler, "set_shares"):
+            stage = self.stage.value if self.stage in (Stage.AHL, Stage.SHL) else Stage.AHL.value
+            self.sampler.set_shares(list(plan.stage(stage).shares))
+
+    def _commit(self, final: bool = False) -> None:
+        if self.server is not None and self.server.error is not None:
+            raise RuntimeError("the parameter server failed") from self.server.error
+        t_start = time.perf_counter()
+        compressor = self.compressor()
+        out = self.send_buf[:compressor.max_nbytes(self.numel)]
+        sparse = compressor is not Compression.none and compressor.ratio < 1.0
+        if sparse:
+            delta = torch.empty(self.numel, dtype=torch.float32)
+            kernels.pack_delta(self.tensors, self.anchors, delta, residuals=self.residual.views)
+            payload = compressor.compress(delta, self.residual, out=out)
+        else:
+            # Dense fp32: pack straight into the send buffer (plus any residual left over
+            # from SHL, so nothing once withheld is lost).
+            values = out[:4 * self.numel].view(torch.float32)
+            res = self.residual.views if self.residual is not None else None
+            kernels.pack_delta(self.tensors, self.anchors, values, residuals=res)
+            if self.residual is not None:
+                self.residual.zero_()
+            payload = Payload(Kind.DENSE_DELTA, protocol.DType.FLOAT32, self.numel, 0,
+                              out[:4 * self.numel])
+        stage = self.stage
+        header = Header(kind=payload.kind, rank=self.rank, stage=StageCode[stage.value],
+                        commit=self.commits, base_version=self.version,
+                        plan_version=self.plan.version, epoch=self.epoch,
+                        local_steps=self.round_steps, dtype=payload.dtype, numel=self.numel,
+                        nnz=payload.nnz if payload.sparse else 0,
+                        flags=Flag.FINAL if final else Flag(0),
+                        samples=self.round_steps, step_s=Header.optional(self.clock.round_mean()),
+                        link_s=Header.optional(self.last_link_s), link_ratio=self.last_ratio,
+                        loss=Header.optional(self.loss.commit()))
+        t_send = time.perf_counter()
+        protocol.send(self.comm, self.server_rank, header, payload.buffer,
+                      tag=protocol.TAG_TO_SERVER)
+        reply = self._receive()
+        t_reply = time.perf_counter()
+        self.bytes_sent += header.nbytes
+        self.commits += 1
+        self.round_steps = 0
+        self.clock.new_round()
+        h = reply.header
+        if h.numel:  # before anything else lands in reply_buf
+            kernels.unpack_assign(self.tensors, self.anchors, reply.dense())
+        if h.flags & Flag.PLAN_FOLLOWS:
+            plan_msg = self._receive()
+            self._apply_plan(Plan.from_dict(plan_msg.json()))
+            self._event("plan", version=self.plan.version, H=None)
+        if not h.flags & (Flag.ACCEPTED | Flag.STOP):
+            self.rejected += 1
+            if self.residual is not None:
+                self.residual.zero_()   # error feedback of a rejected delta is garbage too
+            log.warning("rank %d: commit %d was rejected by the server; resuming from the "
+                        "global model", self.rank, header.commit)
+        self.version = h.base_version
+        new_stage = Stage(StageCode(h.stage).name)
+        if new_stage != self.stage:
+            self._event("stage", stage=new_stage.value)
+            if new_stage in (Stage.AHL, Stage.SHL):
+                self.stage = new_stage
+                self._apply_plan(self.plan)
+        if h.flags & Flag.STOP or new_stage == Stage.DONE:
+            self.stage = Stage.DONE
+            self.finished = True
+        self.last_link_s = t_reply - t_send
+        self.last_ratio = compressor.ratio if sparse else 1.0
+        self._event("commit", t0=t_start, t1=t_reply, stage=stage.value,
+                    accepted=bool(h.flags & Flag.ACCEPTED))
+        self._maybe_evaluate()
+
+    def _receive(self) -> protocol.Message:
+        while not self.comm.Iprobe(source=self.server_rank, tag=protocol.TAG_TO_RANK):
+            if self.server is not None and self.server.error is not None:
+                raise RuntimeError("the parameter server failed") from self.server.error
+            time.sleep(self.poll_s)
+        return protocol.recv(self.comm, self.reply_buf, source=self.server_rank,
+                             tag=protocol.TAG_TO_RANK, model_numel=self.numel)
+
+    def _maybe_evaluate(self) -> None:
+        """Server rank only: the optional evaluation callback on the model just received."""
+        if not self.is_server or self.evaluate is None or self.finished:
+            return
+        now = time.monotonic()
+        if now - self._last_eval < self.eval_every_s:
+            return
+        self._last_eval = now
+        accuracy = float(self.evaluate())
+        with self.mc.lock:
+            self.mc.coordinator.on_evaluation(accuracy=accuracy)
+            if self.mc.coordinator.machine.done:
+                self.server.server.stop("evaluation reached the target")
+        self._event("eval", accuracy=accuracy)
+
+    def _event(self, kind: str, **args) -> None:
+        self.events.append((time.time(), kind, args))
+
+    # ------------------------------------------------------------------ the end
+    def finish(self) -> None:
+        """Leave the run (collective): a final commit unless already stopped, then every rank
+        ends with the server's final global model."""
+        if self.anchors is None:
+            self.before_step()
+        if self.plan is None:
+            # Stopped before profiling finished: plan now so the collective calls line up.
+            if not self.profiler.samples["compute"]:
+                self.profiler.record("compute", 1e-3)
+            self._make_plan()
+        if not self.finished:
+            self._commit(final=True)
+        self.finished = True
+        self.stage = Stage.DONE
+        final = torch.empty(self.numel, dtype=torch.float32)
+        if self.server is not None:
+            self.server.join()
+            final.copy_(self.server.server.model)
+        self.comm.Bcast(final.numpy(), root=self.server_rank)
+        kernels.unpack_assign(self.tensors, self.anchors, final)
+        self.mc.close()
+        self.comm.Free()
+
+    def counters(self) -> dict:
+        c = super().counters()
+        c.update(rejected=self.rejected, bytes_sent=self.bytes_sent, version=self.version)
+        if self.server is not None:
+            c["server"] = self.server.server.stats.to_dict()
+        return c

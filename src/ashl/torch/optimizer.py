@@ -1,0 +1,97 @@
+"""``ashl.torch.DistributedOptimizer``: wraps a torch optimizer the way
+``horovod.torch.DistributedOptimizer`` does; the result is still an instance of the user's
+optimizer class (its param_groups and state are the same objects, so LR schedulers and
+``state_dict`` keep working). ``step(loss=...)`` takes a local step and lets the strategy
+decide when to communicate.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..strategies import make_strategy
+
+
+class _DistributedOptimizer(torch.optim.Optimizer):
+    """Methods mixed into a subclass of the user's optimizer class."""
+
+    def step(self, closure=None, loss=None):
+        self._ashl.before_step()
+        result = super(self.__class__, self).step(closure)
+        if loss is None and closure is not None:
+            loss = result
+        self._ashl.after_step(loss)
+        return result
+
+    @property
+    def finished(self) -> bool:
+        """True once the run is over for this rank (target, budget or stop)."""
+        return self._ashl.finished
+
+    @property
+    def plan(self):
+        return self._ashl.plan
+
+    @property
+    def stage(self) -> str:
+        return self._ashl.stage.value
+
+    @property
+    def strategy(self):
+        return self._ashl
+
+    def counters(self) -> dict:
+        return self._ashl.counters()
+
+    def set_epoch(self, epoch: int) -> None:
+        """Tell ashl the epoch (as for a sampler); reported with commits."""
+        self._ashl.set_epoch(epoch)
+
+    def finish(self) -> None:
+        """Collective, once per rank at the end: leave the run and end with the final global
+        model on every rank."""
+        if not getattr(self, "_ashl_closed", False):
+            self._ashl_closed = True
+            self._ashl.finish()
+
+
+def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: Optional[torch.nn.Module] = None,
+                         named_parameters=None, sampler=None, strategy: str = "ashl",
+                         compression=None, staleness: int = 3, **config):
+    """Wrap ``optimizer`` for heterogeneity-aware training.
+
+    model: the module whose parameters and floating-point buffers (BatchNorm statistics)
+        travel; without it, the optimizer's parameters.
+    sampler: a HeterogeneousSampler; it receives the plan's data shares.
+    strategy: "ashl" (parameter server, AHL then SHL) or "ashl-sync" (the same per-rank
+        local steps, each round ending in one hvd.allreduce_).
+    compression: force a compressor for SHL (default: top-k at each rank's planned ratio).
+    staleness: SHL's bound s (a rank at most s commits ahead of the slowest).
+    config: strategy options (profile_steps, staleness_fn="polynomial(0.5)", server_rank,
+        planner_config, stage_config, drift_config, evaluate, eval_every_s).
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if model is not None:
+        params = [p for p in model.parameters()]
+    elif named_parameters is not None:
+        params = [p for _, p in named_parameters]
+    else:
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+    if not params:
+        raise ValueError("no parameters to train")
+    if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
+        raise ValueError(f"staleness must be an integer >= 0, got {staleness!r}")
+    kwargs = dict(config)
+    if "staleness_fn" in kwargs:
+        kwargs["staleness"] = kwargs.pop("staleness_fn")
+    if strategy in ("ashl",):
+        kwargs.update(compression=compression, bound=staleness)
+    engine = make_strategy(strategy, model, params, sampler=sampler, **kwargs)
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
+               dict(_DistributedOptimizer.__dict__))
+    wrapped = cls.__new__(cls)
+    wrapped.__dict__.update(optimizer.__dict__)   # the same param_groups and state objects
+    wrapped._ashl = engine
+    return wrapped
