@@ -211,6 +211,16 @@ class Coordinator:
         self._sync_stage()
         return self.plan
 
+    def resume(self, plan: Plan, stage: Stage) -> None:
+        """Continue a checkpointed run with its plan, in its stage (no profiling)."""
+        if len(plan.profiles) != self.n_ranks:
+            raise ValueError(f"the checkpoint's plan is for {len(plan.profiles)} ranks, "
+                             f"this job has {self.n_ranks}")
+        self.plan = plan
+        self._log("plan", f"resumed from a checkpoint (plan v{plan.version})")
+        self.machine.resume(stage, self.clock())
+        self._sync_stage()
+
     def on_commit(self, report: CommitReport) -> Directive:
         if self.plan is None:
             raise RuntimeError("commit reported before the first plan was made")
@@ -379,7 +389,7 @@ class MPICoordinator:
         """Round-trip push and pull of a real `payload_bytes` message to the root (collective).
 
         Returns (push, pull) TimingSummary. Ranks are served one at a time so they do
-        not compete; the root measures an in-memory copy (its server is in-process).
+        not compete; the root measures a message to itself (its server is a thread there).
         """
         from .profiler import StepTimer, measure_round_trip
         payload = bytearray(max(1, int(payload_bytes)))
@@ -387,8 +397,10 @@ class MPICoordinator:
         if self.is_root:
             sink = bytearray(len(payload))
 
-            def copy() -> None:
-                sink[:] = payload
+            def copy() -> None:  # the root's commits travel through MPI to itself too
+                request = self.comm.Irecv(sink, source=self.rank, tag=_LINK_PUSH)
+                self.comm.Send(payload, dest=self.rank, tag=_LINK_PUSH)
+                request.Wait()
 
             push = measure_round_trip(copy, repeats, warmup=warmup)
             pull = measure_round_trip(copy, repeats, warmup=warmup)

@@ -189,6 +189,16 @@ class StageMachine:
             self._check(now)
         return self.stage
 
+    def resume(self, stage: Stage, now: float) -> Stage:
+        """PROFILE -> ``stage`` (AHL or SHL) for a run continued from a checkpoint."""
+        stage = Stage(stage)
+        if stage not in (Stage.AHL, Stage.SHL):
+            raise ValueError(f"a run resumes in AHL or SHL, not {stage.value}")
+        self.begin_training(now, reason="resumed from a checkpoint")
+        if stage is Stage.SHL and self.stage is Stage.AHL:
+            self._move(Stage.SHL, now, "resumed from a checkpoint")
+        return self.stage
+
     def commit(self, rank: int, now: float, loss: float | None = None) -> Stage:
         """A commit by `rank` carrying its running training loss."""
         if not 0 <= rank < self.n_ranks:

@@ -26,6 +26,10 @@ parser.add_argument("--switch-loss", type=float, default=0.3)
 parser.add_argument("--ahl-max-commits", type=int, default=None)
 parser.add_argument("--topk", type=float, default=None, help="force this SHL top-k ratio")
 parser.add_argument("--seed", type=int, default=0)
+parser.add_argument("--max-commits", type=int, default=None)
+parser.add_argument("--checkpoint", default=None, help="save here after every epoch")
+parser.add_argument("--resume", default=None, help="continue the run saved here")
+parser.add_argument("--ranks", type=int, default=None, help="ranks of the run (shares)")
 args = parser.parse_args()
 
 hvd.init(comm=MPI.COMM_WORLD)
@@ -47,12 +51,16 @@ def accuracy() -> float:
 
 
 stages = StageConfig(switch_loss=args.switch_loss, target_accuracy=args.target_accuracy,
-                     max_seconds=args.max_seconds, ahl_max_commits=args.ahl_max_commits)
+                     max_seconds=args.max_seconds, ahl_max_commits=args.ahl_max_commits,
+                     max_commits=args.max_commits)
 compression = ashl.Compression.topk(args.topk) if args.topk else None
 opt = ashl.DistributedOptimizer(opt, model=model, sampler=sampler, strategy=args.strategy,
                                 compression=compression, stage_config=stages,
                                 evaluate=accuracy, eval_every_s=0.5, profile_steps=5)
 ashl.broadcast_parameters(model.state_dict(), root_rank=0)
+if args.resume:
+    opt.load_checkpoint(args.resume)
+resumed_accuracy = accuracy()
 start = time.time()
 epoch = 0
 stages_seen = []
@@ -68,9 +76,12 @@ while not opt.finished:
         if opt.finished:
             break
     epoch += 1
+    if args.checkpoint and not opt.finished:
+        opt.save_checkpoint(args.checkpoint)
 opt.finish()
 final = accuracy()
 result = {"rank": hvd.rank(), "accuracy": final, "stages": stages_seen,
+          "resumed_accuracy": resumed_accuracy,
           "seconds": time.time() - start, "counters": opt.counters(),
           "plan": opt.plan.to_dict() if opt.plan else None}
 results = MPI.COMM_WORLD.gather(result, root=0)

@@ -13,7 +13,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .. import kernels, protocol
+from .. import checkpoint, kernels, protocol
 from ..compression import Compression, Compressor, Payload, Residual
 from ..coordinator import DriftConfig, MPICoordinator
 from ..planner import Plan, PlannerConfig
@@ -21,6 +21,7 @@ from ..profiler import RankProfiler
 from ..protocol import Flag, Header, Kind, StageCode
 from ..server import ParameterServer, ServerThread
 from ..stages import Stage, StageConfig
+from ..timeline import Timeline, timeline_path, write_chrome_trace
 from .base import Strategy, loss_value
 
 log = logging.getLogger("ashl")
@@ -85,7 +86,9 @@ class AshlStrategy(Strategy):
         self.bytes_sent = 0
         self.epoch = 0
         self._last_eval = 0.0
-        self.events: list[tuple[float, str, dict]] = []   # for the timeline
+        self._resume: Optional[dict] = None
+        self.timeline = Timeline(self.rank)
+        self._round_start = time.time()
 
     # ---------------------------------------------------------------- helpers
     @property
@@ -114,6 +117,9 @@ class AshlStrategy(Strategy):
             # The model as broadcast before training: the anchor of the first delta and,
             # on the server rank, the first global model.
             self.anchors = [t.detach().clone() for t in self.tensors]
+            self._round_start = time.time()
+            if self._resume is not None:
+                self._start_from_checkpoint()
 
     def after_step(self, loss) -> None:
         if self.finished:
@@ -134,6 +140,12 @@ class AshlStrategy(Strategy):
             self._commit()
             self.clock.exclude(time.perf_counter() - t0)
 
+    def _start_server(self, model: torch.Tensor) -> None:
+        server = ParameterServer(model, self.size, self.mc.coordinator, rank=self.rank,
+                                 staleness=self.staleness, bound=self.bound,
+                                 downlink=self.downlink)
+        self.server = ServerThread(server, self.comm, poll_s=self.poll_s, lock=self.mc.lock)
+
     def _make_plan(self) -> None:
         push, pull = self.mc.measure_link(4 * self.numel)
         self.profiler.extend("push", [push.mean])
@@ -142,16 +154,13 @@ class AshlStrategy(Strategy):
         if self.is_server:
             flat = torch.empty(self.numel, dtype=torch.float32)
             kernels.pack_delta(self.anchors, [torch.zeros_like(a) for a in self.anchors], flat)
-            server = ParameterServer(flat, self.size, self.mc.coordinator, rank=self.rank,
-                                     staleness=self.staleness, bound=self.bound,
-                                     downlink=self.downlink)
-            self.server = ServerThread(server, self.comm, poll_s=self.poll_s, lock=self.mc.lock)
+            self._start_server(flat)
         plan = self.mc.establish_plan(profile, serve_reports=False)
         if self.server is not None:
             self.server.start()
         self._apply_plan(plan)
         self.stage = Stage.AHL
-        self._event("plan", version=plan.version, H=self.local_steps_target())
+        self.timeline.instant("plan", version=plan.version, H=self.local_steps_target())
 
     def _apply_plan(self, plan: Plan) -> None:
         self.plan = plan
@@ -205,7 +214,8 @@ class AshlStrategy(Strategy):
         if h.flags & Flag.PLAN_FOLLOWS:
             plan_msg = self._receive()
             self._apply_plan(Plan.from_dict(plan_msg.json()))
-            self._event("plan", version=self.plan.version, H=None)
+            self.timeline.instant("plan", version=self.plan.version,
+                                  H=self.plan.local_steps(self.rank, self.stage.value))
         if not h.flags & (Flag.ACCEPTED | Flag.STOP):
             self.rejected += 1
             if self.residual is not None:
@@ -215,7 +225,7 @@ class AshlStrategy(Strategy):
         self.version = h.base_version
         new_stage = Stage(StageCode(h.stage).name)
         if new_stage != self.stage:
-            self._event("stage", stage=new_stage.value)
+            self.timeline.instant("stage", stage=new_stage.value)
             if new_stage in (Stage.AHL, Stage.SHL):
                 self.stage = new_stage
                 self._apply_plan(self.plan)
@@ -224,8 +234,12 @@ class AshlStrategy(Strategy):
             self.finished = True
         self.last_link_s = t_reply - t_send
         self.last_ratio = compressor.ratio if sparse else 1.0
-        self._event("commit", t0=t_start, t1=t_reply, stage=stage.value,
-                    accepted=bool(h.flags & Flag.ACCEPTED))
+        now = time.time()
+        t_commit = now - (time.perf_counter() - t_start)
+        self.timeline.span("compute", self._round_start, t_commit, steps=header.local_steps)
+        self.timeline.span("commit", t_commit, now, stage=stage.value, bytes=header.nbytes,
+                           accepted=bool(h.flags & Flag.ACCEPTED), version=self.version)
+        self._round_start = now
         self._maybe_evaluate()
 
     def _receive(self) -> protocol.Message:
@@ -249,10 +263,7 @@ class AshlStrategy(Strategy):
             self.mc.coordinator.on_evaluation(accuracy=accuracy)
             if self.mc.coordinator.machine.done:
                 self.server.server.stop("evaluation reached the target")
-        self._event("eval", accuracy=accuracy)
-
-    def _event(self, kind: str, **args) -> None:
-        self.events.append((time.time(), kind, args))
+        self.timeline.instant("eval", accuracy=accuracy)
 
     # ------------------------------------------------------------------ the end
     def finish(self) -> None:
@@ -275,8 +286,74 @@ class AshlStrategy(Strategy):
             final.copy_(self.server.server.model)
         self.comm.Bcast(final.numpy(), root=self.server_rank)
         kernels.unpack_assign(self.tensors, self.anchors, final)
+        path = timeline_path()
+        if path:
+            traces = self.comm.gather(self.timeline.events, root=self.server_rank)
+            if self.is_server:
+                write_chrome_trace(path, traces)
         self.mc.close()
         self.comm.Free()
+
+    # ------------------------------------------------------------- checkpoints
+    def save_checkpoint(self, path: str, optimizer) -> None:
+        """Not collective: the server rank writes the run (global model, plan, stage,
+        counters) to ``path``; every rank writes its optimizer state to ``path.rank<r>``."""
+        if self.plan is None:
+            raise RuntimeError("nothing to checkpoint before profiling has produced a plan")
+        if self.is_server:
+            with self.mc.lock:
+                run = {"format": checkpoint.FORMAT, "strategy": self.name, "size": self.size,
+                       "numel": self.numel, "global_model": self.server.server.model.clone(),
+                       "version": self.server.server.version,
+                       "plan": self.mc.coordinator.plan.to_dict(),
+                       "stage": self.mc.coordinator.stage.value,
+                       "commits": self.mc.coordinator.machine.commits}
+            checkpoint.atomic_save(run, path)
+        own = {"format": checkpoint.FORMAT, "rank": self.rank, "optimizer": optimizer.state_dict(),
+               "counters": self.counters(), "epoch": self.epoch,
+               "residual": None if self.residual is None else self.residual.flat.clone()}
+        checkpoint.atomic_save(own, checkpoint.rank_path(path, self.rank))
+
+    def load_checkpoint(self, path: str, optimizer) -> None:
+        """Before the first step: continue the run saved at ``path`` (every rank)."""
+        if self.anchors is not None:
+            raise RuntimeError("load_checkpoint must be called before the first step()")
+        run = checkpoint.load(path)
+        if run.get("size") != self.size:
+            raise ValueError(f"checkpoint {path} is of a {run.get('size')}-rank run; "
+                             f"this job has {self.size} ranks")
+        if run.get("numel") != self.numel:
+            raise ValueError(f"checkpoint {path} holds a model of {run.get('numel')} elements; "
+                             f"this model has {self.numel}")
+        own = checkpoint.load(checkpoint.rank_path(path, self.rank))
+        optimizer.load_state_dict(own["optimizer"])
+        kernels.unpack_assign(self.tensors, [t.clone() for t in self.tensors],
+                              run["global_model"])
+        if self.residual is not None and own.get("residual") is not None:
+            self.residual.flat.copy_(own["residual"])
+        counters = own.get("counters", {})
+        self.local_steps = int(counters.get("local_steps", 0))
+        self.commits = int(counters.get("commits", 0))
+        self.epoch = int(own.get("epoch", 0))
+        self._resume = run
+
+    def _start_from_checkpoint(self) -> None:
+        run, self._resume = self._resume, None
+        plan = Plan.from_dict(run["plan"])
+        stage = Stage(run["stage"])
+        if stage not in (Stage.AHL, Stage.SHL):
+            stage = Stage.SHL
+        if self.is_server:
+            self.mc.coordinator.resume(plan, stage)
+            self._start_server(run["global_model"].clone())
+            self.server.server.version = int(run.get("version", 0))
+            self.server.start()
+        self.version = int(run.get("version", 0))
+        self.mc.plan = plan
+        self.mc.barrier()   # every rank resumes before anyone commits
+        self.stage = stage
+        self._apply_plan(plan)
+        self.timeline.instant("plan", version=plan.version, resumed=True)
 
     def counters(self) -> dict:
         c = super().counters()

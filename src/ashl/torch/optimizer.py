@@ -48,6 +48,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Tell ashl the epoch (as for a sampler); reported with commits."""
         self._ashl.set_epoch(epoch)
 
+    def save_checkpoint(self, path: str) -> None:
+        """Write the run to ``path`` (server rank) and this rank's state to ``path.rank<r>``,
+        atomically. Not collective: call it wherever suits each rank (e.g. per epoch)."""
+        self._ashl.save_checkpoint(path, self)
+
+    def load_checkpoint(self, path: str) -> None:
+        """Before the first step, on every rank: continue the run saved at ``path``
+        (global model, plan, stage, counters, this rank's optimizer state)."""
+        self._ashl.load_checkpoint(path, self)
+
     def finish(self) -> None:
         """Collective, once per rank at the end: leave the run and end with the final global
         model on every rank."""
