@@ -145,8 +145,14 @@ class ParameterServer:
 
     def stop(self, reason: str) -> list[Reply]:
         """End the run (e.g. an evaluation reached its target): release every waiting rank."""
-        self.coordinator.stop(reason)
+        if not self.stopped:
+            self.coordinator.stop(reason)
         return self._release()
+
+    def tick(self) -> list[Reply]:
+        """Let time-based stops happen while no commit arrives; release whoever it frees."""
+        self.coordinator.tick()
+        return self._release() if self.stopped else []
 
     def _must_wait(self, rank: int, stage: Stage, directive: Directive) -> bool:
         return (stage == Stage.SHL and directive.stage == Stage.SHL
@@ -217,15 +223,29 @@ class ServerThread:
         self.buffer = protocol.MessageBuffer(protocol.max_payload_nbytes(server.model.numel()))
         self.error: Optional[BaseException] = None
         self._stop = threading.Event()
+        self._stop_reason: Optional[str] = None
+        self.tick_s = 0.25
         self._thread = threading.Thread(target=self._run, name="ashl-server", daemon=True)
 
     def start(self) -> "ServerThread":
         self._thread.start()
         return self
 
+    def request_stop(self, reason: str) -> None:
+        """From any thread: end the run; the server thread releases and answers everyone."""
+        self._stop_reason = reason
+
     def _run(self) -> None:
+        last_tick = time.monotonic()
         try:
             while self.server.live and not self._stop.is_set():
+                if self._stop_reason is not None or time.monotonic() - last_tick > self.tick_s:
+                    last_tick = time.monotonic()
+                    reason, self._stop_reason = self._stop_reason, None
+                    with self.lock:
+                        replies = self.server.stop(reason) if reason else self.server.tick()
+                    for r in replies:
+                        self._send(r)
                 if not self.comm.Iprobe(source=_any_source(), tag=protocol.TAG_TO_SERVER):
                     time.sleep(self.poll_s)
                     continue

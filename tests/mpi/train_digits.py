@@ -3,7 +3,9 @@
 python train_digits.py OUT.json [--strategy ashl] [--target-accuracy 0.9] [--max-seconds 60]
 """
 import argparse
+import faulthandler
 import json
+import sys
 import time
 
 from mpi4py import MPI
@@ -30,7 +32,10 @@ parser.add_argument("--max-commits", type=int, default=None)
 parser.add_argument("--checkpoint", default=None, help="save here after every epoch")
 parser.add_argument("--resume", default=None, help="continue the run saved here")
 parser.add_argument("--ranks", type=int, default=None, help="ranks of the run (shares)")
+parser.add_argument("--dump-after", type=float, default=150,
+                    help="print every thread's stack and exit after this many seconds (a hang)")
 args = parser.parse_args()
+faulthandler.dump_traceback_later(args.dump_after, exit=True, file=sys.stderr)
 
 hvd.init(comm=MPI.COMM_WORLD)
 torch.manual_seed(args.seed)
@@ -83,7 +88,9 @@ final = accuracy()
 result = {"rank": hvd.rank(), "accuracy": final, "stages": stages_seen,
           "resumed_accuracy": resumed_accuracy,
           "seconds": time.time() - start, "counters": opt.counters(),
-          "plan": opt.plan.to_dict() if opt.plan else None}
+          "plan": opt.plan.to_dict() if opt.plan else None,
+          # ashl-sync: every rank's own stage machine (identical on all ranks)
+          "transitions": getattr(opt.strategy, "transitions", None)}
 results = MPI.COMM_WORLD.gather(result, root=0)
 if hvd.rank() == 0:
     events = [e.to_dict() for e in opt.strategy.mc.events()] if hasattr(opt.strategy, "mc") else []

@@ -76,7 +76,8 @@ class AshlStrategy(Strategy):
         self.residual = Residual(self.tensors) if all(
             t.dtype == torch.float32 for t in self.tensors) else None
         self.send_buf = torch.empty(4 * self.numel, dtype=torch.uint8)
-        self.reply_buf = protocol.MessageBuffer(4 * self.numel)
+        # Replies carry the model or a plan's JSON, whichever is larger.
+        self.reply_buf = protocol.MessageBuffer(max(4 * self.numel, protocol.MAX_PLAN_BYTES))
         self.server: Optional[ServerThread] = None
         self.version = 0                     # global version of the model we hold
         self.round_steps = 0
@@ -163,10 +164,18 @@ class AshlStrategy(Strategy):
         self.timeline.instant("plan", version=plan.version, H=self.local_steps_target())
 
     def _apply_plan(self, plan: Plan) -> None:
+        """Adopt a plan; its data shares apply at this rank's next epoch boundary. Shares
+        follow speed, so ranks move through epochs together and switch on about the same
+        one (a plan's shares_from_epoch is not enforced: a script that never calls
+        sampler.set_epoch would never reach it)."""
         self.plan = plan
         if self.sampler is not None and hasattr(self.sampler, "set_shares"):
             stage = self.stage.value if self.stage in (Stage.AHL, Stage.SHL) else Stage.AHL.value
             self.sampler.set_shares(list(plan.stage(stage).shares))
+
+    def current_epoch(self) -> int:
+        """The epoch reported with commits: the sampler's, else what set_epoch was told."""
+        return int(getattr(self.sampler, "epoch", self.epoch))
 
     def _commit(self, final: bool = False) -> None:
         if self.server is not None and self.server.error is not None:
@@ -192,7 +201,7 @@ class AshlStrategy(Strategy):
         stage = self.stage
         header = Header(kind=payload.kind, rank=self.rank, stage=StageCode[stage.value],
                         commit=self.commits, base_version=self.version,
-                        plan_version=self.plan.version, epoch=self.epoch,
+                        plan_version=self.plan.version, epoch=self.current_epoch(),
                         local_steps=self.round_steps, dtype=payload.dtype, numel=self.numel,
                         nnz=payload.nnz if payload.sparse else 0,
                         flags=Flag.FINAL if final else Flag(0),
@@ -261,8 +270,9 @@ class AshlStrategy(Strategy):
         accuracy = float(self.evaluate())
         with self.mc.lock:
             self.mc.coordinator.on_evaluation(accuracy=accuracy)
-            if self.mc.coordinator.machine.done:
-                self.server.server.stop("evaluation reached the target")
+            done = self.mc.coordinator.machine.done
+        if done:   # the server thread answers the ranks it holds back
+            self.server.request_stop("evaluation reached the target")
         self.timeline.instant("eval", accuracy=accuracy)
 
     # ------------------------------------------------------------------ the end
@@ -310,7 +320,7 @@ class AshlStrategy(Strategy):
                        "commits": self.mc.coordinator.machine.commits}
             checkpoint.atomic_save(run, path)
         own = {"format": checkpoint.FORMAT, "rank": self.rank, "optimizer": optimizer.state_dict(),
-               "counters": self.counters(), "epoch": self.epoch,
+               "counters": self.counters(), "epoch": self.current_epoch(),
                "residual": None if self.residual is None else self.residual.flat.clone()}
         checkpoint.atomic_save(own, checkpoint.rank_path(path, self.rank))
 

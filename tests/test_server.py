@@ -1,0 +1,193 @@
+"""The parameter server's rules without MPI: merge weights, staleness, the SHL bound,
+non-finite and malformed deltas, stop."""
+import math
+
+import pytest
+import torch
+
+from ashl.compression import Compression, Payload
+from ashl.coordinator import Coordinator
+from ashl.planner import RankProfile, make_plan
+from ashl.protocol import DType, Flag, Header, Kind, ProtocolError, StageCode
+from ashl.server import ParameterServer
+from ashl.staleness import parse_staleness
+from ashl.stages import Stage, StageConfig
+
+N = 10
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        self.t += 0.001
+        return self.t
+
+
+def server(n_ranks=3, stage=Stage.AHL, staleness="none", bound=3, **stage_kw):
+    clock = Clock()
+    coord = Coordinator(n_ranks, stage_config=StageConfig(switch_loss=-1.0, **stage_kw),
+                        clock=clock)
+    coord.plan_from_profiles([RankProfile(compute_s=0.01 * (r + 1), push_s=0.01, pull_s=0.01)
+                              for r in range(n_ranks)])
+    if stage == Stage.SHL:
+        coord.machine.resume(Stage.SHL, clock())
+        coord._sync_stage()
+    return ParameterServer(torch.zeros(N), n_ranks, coord, staleness=staleness, bound=bound,
+                           clock=clock)
+
+
+def dense(rank, values, stage=Stage.AHL, base=0, commit=0, flags=Flag(0)):
+    payload = torch.as_tensor(values, dtype=torch.float32).contiguous()
+    h = Header(kind=Kind.DENSE_DELTA, rank=rank, stage=StageCode[stage.value], commit=commit,
+               base_version=base, plan_version=1, dtype=DType.FLOAT32, numel=N, flags=flags,
+               step_s=0.01, loss=1.0)
+    return h, payload.view(torch.uint8)
+
+
+def sparse(rank, idx, vals, stage=Stage.AHL, base=0):
+    idx = torch.as_tensor(idx, dtype=torch.int32)
+    vals = torch.as_tensor(vals, dtype=torch.float32)
+    raw = torch.cat([idx.view(torch.uint8), vals.view(torch.uint8)])
+    h = Header(kind=Kind.SPARSE_DELTA, rank=rank, stage=StageCode[stage.value], base_version=base,
+               plan_version=1, dtype=DType.FLOAT32, numel=N, nnz=len(idx), step_s=0.01, loss=1.0)
+    return h, raw
+
+
+def test_merge_uses_the_plans_weight_and_staleness():
+    s = server(staleness="polynomial(1)")
+    w = [float(x) for x in s.coordinator.plan.ahl.merge_weights]
+    s.handle(*dense(0, torch.ones(N)))
+    assert torch.allclose(s.model, torch.full((N,), w[0]))
+    # rank 1's delta was computed against version 0; one version passed: factor 1/2
+    replies = s.handle(*dense(1, torch.ones(N), base=0))
+    assert torch.allclose(s.model, torch.full((N,), w[0] + w[1] / 2))
+    assert s.version == 2 and s.stats.max_staleness == 1
+    (r,) = replies
+    assert r.dest == 1 and r.header.kind == Kind.REPLY and r.header.flags & Flag.ACCEPTED
+    assert r.header.base_version == 2 and torch.equal(r.payload, s.model)
+
+
+def test_nonfinite_delta_is_rejected_counted_and_answered():
+    s = server()
+    s.handle(*dense(0, torch.ones(N)))
+    before = s.model.clone()
+    bad = torch.ones(N)
+    bad[7] = math.nan
+    (r,) = s.handle(*dense(1, bad))
+    assert torch.equal(s.model, before)
+    assert s.stats.rejected_nonfinite == 1 and s.version == 1
+    assert not r.header.flags & Flag.ACCEPTED
+    assert torch.equal(r.payload, before)   # the rank resumes from the global model
+
+
+def test_sparse_index_out_of_range_writes_nothing():
+    s = server()
+    with pytest.raises(IndexError, match="out of range"):
+        s.handle(*sparse(0, [1, N], [1.0, 1.0]))
+    assert torch.equal(s.model, torch.zeros(N))
+
+
+def test_topk_at_ratio_one_gives_the_same_model_as_dense():
+    torch.manual_seed(0)
+    deltas = [torch.randn(N) for _ in range(6)]
+    a, b = server(), server()
+    for i, d in enumerate(deltas):
+        a.handle(*dense(i % 3, d, base=i))
+        payload = Compression.topk(1.0, dense_when_cheaper=False).compress(d.clone())
+        h = Header(kind=payload.kind, rank=i % 3, stage=StageCode.AHL, base_version=i,
+                   plan_version=1, dtype=payload.dtype, numel=N, nnz=payload.nnz if payload.sparse else 0,
+                   step_s=0.01, loss=1.0)
+        b.handle(h, payload.buffer)
+    c = server()   # and an explicit all-index sparse payload lands on the same model too
+    for i, d in enumerate(deltas):
+        c.handle(*sparse(i % 3, list(range(N)), d, base=i))
+    assert torch.equal(a.model, b.model)
+    assert torch.equal(a.model, c.model)
+
+
+def test_shl_reply_waits_for_the_slowest_rank_within_the_bound():
+    s = server(n_ranks=2, stage=Stage.SHL, bound=2)
+    out = []
+    for c in range(3):   # rank 0 runs ahead: commits 1, 2 answered, 3 is held back
+        out.append(s.handle(*dense(0, torch.zeros(N), stage=Stage.SHL, commit=c)))
+    assert [len(r) for r in out] == [1, 1, 0]
+    assert 0 in s.waiting and s.stats.waits == 1
+    released = s.handle(*dense(1, torch.zeros(N), stage=Stage.SHL))
+    assert sorted(r.dest for r in released) == [0, 1]
+    assert s.stats.max_shl_lead <= 2
+    assert all(rank_commits - slowest <= 2 for _, rank_commits, slowest in s.stats.shl_log)
+
+
+def test_stop_releases_waiting_ranks_with_stop():
+    s = server(n_ranks=2, stage=Stage.SHL, bound=0)
+    assert s.handle(*dense(0, torch.zeros(N), stage=Stage.SHL)) == []
+    (r,) = s.stop("test is over")
+    assert r.dest == 0 and r.header.flags & Flag.STOP
+    assert 0 not in s.live
+
+
+def test_final_commit_leaves_and_unblocks_the_others():
+    s = server(n_ranks=2, stage=Stage.SHL, bound=0)
+    assert s.handle(*dense(0, torch.zeros(N), stage=Stage.SHL)) == []
+    replies = s.handle(*dense(1, torch.zeros(N), stage=Stage.SHL, flags=Flag.FINAL))
+    assert {r.dest for r in replies} == {0, 1}
+    assert next(r for r in replies if r.dest == 1).header.flags & Flag.STOP
+    assert s.live == {0}
+
+
+def test_commit_budget_stops_the_run():
+    s = server(max_commits=2)
+    s.handle(*dense(0, torch.ones(N)))
+    (r,) = s.handle(*dense(1, torch.ones(N)))
+    assert r.header.flags & Flag.STOP and s.stopped
+    version = s.version
+    s.handle(*dense(2, torch.ones(N)))   # after DONE: answered, not merged
+    assert s.version == version
+
+
+def test_server_rejects_messages_it_does_not_take():
+    s = server()
+    h = Header(kind=Kind.PLAN, rank=1, dtype=DType.UINT8, numel=2)
+    with pytest.raises(ProtocolError, match="kind"):
+        s.handle(h, torch.zeros(2, dtype=torch.uint8))
+
+
+def test_fp16_downlink_halves_the_reply():
+    s = ParameterServer(torch.zeros(N), 2, server(n_ranks=2).coordinator,
+                        downlink=torch.float16)
+    (r,) = s.handle(*dense(0, torch.full((N,), 0.5)))
+    assert r.payload.dtype == torch.float16 and r.header.dtype == DType.FLOAT16
+
+
+@pytest.mark.parametrize("spec,s,value", [("none", 5, 1.0), ("polynomial(0.5)", 3, 0.5),
+                                          ("hinge(1, 2)", 2, 1.0), ("hinge(1, 2)", 4, 1 / 3)])
+def test_staleness_functions(spec, s, value):
+    assert parse_staleness(spec)(s) == pytest.approx(value)
+
+
+@pytest.mark.parametrize("spec", ["linear(1)", "polynomial", "hinge(1)", "polynomial(-1)",
+                                  "polynomial(x)", "none(1)"])
+def test_bad_staleness_functions_are_named(spec):
+    with pytest.raises(ValueError, match="staleness function"):
+        parse_staleness(spec)
+
+
+def test_bad_server_arguments():
+    coord = server().coordinator
+    with pytest.raises(ValueError, match="flat fp32"):
+        ParameterServer(torch.zeros(2, 2), 3, coord)
+    with pytest.raises(ValueError, match="bound"):
+        ParameterServer(torch.zeros(N), 3, coord, bound=-1)
+    with pytest.raises(ValueError, match="downlink"):
+        ParameterServer(torch.zeros(N), 3, coord, downlink=torch.int8)
+
+
+def test_time_budget_releases_held_ranks_on_tick():
+    s = server(n_ranks=2, stage=Stage.SHL, bound=0, max_seconds=5.0)
+    assert s.handle(*dense(0, torch.zeros(N), stage=Stage.SHL)) == []
+    assert s.tick() == []            # within budget: still held
+    s.clock.t += 10.0                # no commit arrives, but time runs out
+    (r,) = s.tick()
+    assert r.dest == 0 and r.header.flags & Flag.STOP and s.stopped

@@ -1,0 +1,88 @@
+"""ASHL end to end: real ranks under mpirun, real Horovod, the user API, digits."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "mpi"))
+from _util import mpirun, skip_reason  # noqa: E402
+
+pytestmark = [pytest.mark.mpi, pytest.mark.skipif(skip_reason() is not None,
+                                                  reason=str(skip_reason()))]
+SCRIPT = Path(__file__).resolve().parent / "mpi" / "train_digits.py"
+
+
+def train(np_, out, *args, env=None):
+    mpirun(np_, SCRIPT, out, *args, timeout=180, env=env)
+    return json.loads(Path(out).read_text())
+
+
+def check_run(result, np_, target):
+    ranks = result["ranks"]
+    assert len(ranks) == np_
+    accuracies = {r["accuracy"] for r in ranks}
+    assert len(accuracies) == 1, f"ranks ended with different models: {accuracies}"
+    assert accuracies.pop() >= target
+    for r in ranks:
+        assert r["stages"][0] == "PROFILE" and r["stages"][-1] == "DONE", r["stages"]
+        assert r["counters"]["rejected"] == 0
+    return ranks[0]["counters"]["server"]
+
+
+@pytest.mark.parametrize("np_", [3, 4])
+def test_ranks_reach_the_target_through_every_stage(np_, tmp_path):
+    out = tmp_path / "result.json"
+    result = train(np_, out, "--target-accuracy", "0.93", "--ahl-max-commits", "40",
+                   "--max-seconds", "90")
+    server = check_run(result, np_, 0.93)
+    kinds = [(e["kind"], e["stage"]) for e in result["events"]]
+    assert ("stage", "AHL") in kinds and ("stage", "SHL") in kinds, kinds
+    assert result["events"][-1]["kind"] == "stop"
+    assert "target accuracy" in result["events"][-1]["reason"]
+    # SHL's bound: no reply ever let a rank run more than 3 commits ahead of the slowest
+    assert server["shl_log"], "no SHL commit was made"
+    assert all(mine - slowest <= 3 for _, mine, slowest in server["shl_log"])
+    assert server["max_shl_lead"] <= 3
+    for r in result["ranks"]:
+        plan = r["plan"]["stages"]
+        assert all(h >= 8 for h in plan["AHL"]["local_steps"])
+        assert all(h >= 2 for h in plan["SHL"]["local_steps"])
+
+
+def test_checkpoint_and_resume_continue_the_run(tmp_path):
+    ckpt = tmp_path / "run.ckpt"
+    first = train(3, tmp_path / "first.json", "--max-commits", "60", "--target-accuracy", "0.999",
+                  "--checkpoint", ckpt)
+    assert "commit budget" in first["events"][-1]["reason"]
+    saved = torch.load(ckpt, weights_only=False)
+    assert saved["stage"] in ("AHL", "SHL") and saved["size"] == 3
+    saved_commits = {r: torch.load(f"{ckpt}.rank{r}", weights_only=False)["counters"]["commits"]
+                     for r in range(3)}
+
+    second = train(3, tmp_path / "second.json", "--resume", ckpt, "--target-accuracy", "0.95",
+                   "--max-seconds", "60")
+    check_run_resumed(second, saved, saved_commits)
+
+
+def check_run_resumed(second, saved, saved_commits):
+    ranks = second["ranks"]
+    # every rank started from the checkpointed global model: the same accuracy on all
+    assert len({r["resumed_accuracy"] for r in ranks}) == 1
+    assert ranks[0]["stages"][0] == saved["stage"], "the run did not resume in its stage"
+    assert second["events"][0]["reason"].startswith("resumed from a checkpoint")
+    for r in ranks:
+        assert r["counters"]["commits"] > saved_commits[r["rank"]]   # counters continue
+    assert ranks[0]["accuracy"] >= 0.95
+
+
+def test_timeline_has_every_ranks_compute_and_commit_spans(tmp_path):
+    trace = tmp_path / "timeline.json"
+    train(3, tmp_path / "r.json", "--max-commits", "30", "--target-accuracy", "0.999",
+          env={"ASHL_TIMELINE": str(trace)})
+    events = json.loads(trace.read_text())["traceEvents"]
+    for rank in range(3):
+        names = {e["name"] for e in events if e.get("pid") == rank}
+        assert {"compute", "commit", "plan"} <= names, (rank, names)
+    assert all(e["dur"] >= 0 for e in events if e["ph"] == "X")
