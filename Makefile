@@ -30,11 +30,12 @@ test: build
 	@$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
-# Until the training engine lands, the main job is the kernel benchmark.
+# The main job: ASHL on 4 ranks (oversubscribed on small machines), embedded digits data.
+DEMO_RANKS ?= 4
 demo: build
 	@mkdir -p $(OUT)
-	$(PY) -m ashl.bench kernels --json $(OUT)/kernels.json
-	@echo "kernel benchmark written to $(OUT)/kernels.json"
+	mpirun -np $(DEMO_RANKS) --oversubscribe --bind-to none \
+	    -x OMP_NUM_THREADS=1 $(PY) examples/train_digits.py $(OUT)/demo.json
 
 bench: bench-kernels
 

@@ -11,7 +11,7 @@ from _util import mpirun, skip_reason  # noqa: E402
 
 pytestmark = [pytest.mark.mpi, pytest.mark.skipif(skip_reason() is not None,
                                                   reason=str(skip_reason()))]
-SCRIPT = Path(__file__).resolve().parent / "mpi" / "train_digits.py"
+SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "train_digits.py"
 
 
 def train(np_, out, *args, env=None):

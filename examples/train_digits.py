@@ -1,6 +1,11 @@
-"""A user's training script, as in the README: digits, an MLP, ashl.torch.DistributedOptimizer.
+"""Train an MLP on the embedded digits data with ashl.torch.DistributedOptimizer.
 
-python train_digits.py OUT.json [--strategy ashl] [--target-accuracy 0.9] [--max-seconds 60]
+    horovodrun -np 4 python examples/train_digits.py out/digits.json
+    mpirun -np 4 --oversubscribe --bind-to none python examples/train_digits.py out/digits.json
+
+Options: --strategy ashl|ashl-sync, --target-accuracy, --max-seconds, --max-commits,
+--checkpoint PATH (saved every epoch), --resume PATH. Rank 0 prints a summary and writes
+every rank's result, the plan and the coordinator's log to the JSON file.
 """
 import argparse
 import faulthandler
@@ -95,3 +100,17 @@ results = MPI.COMM_WORLD.gather(result, root=0)
 if hvd.rank() == 0:
     events = [e.to_dict() for e in opt.strategy.mc.events()] if hasattr(opt.strategy, "mc") else []
     json.dump({"ranks": results, "events": events}, open(args.out, "w"), indent=1, default=str)
+    print(f"{args.strategy}: {len(results)} ranks, test accuracy {final:.4f} after "
+          f"{result['seconds']:.1f} s, stages {' -> '.join(stages_seen)}")
+    if opt.plan is not None:
+        for stage in ("AHL", "SHL"):
+            p = opt.plan.stage(stage)
+            print(f"  {stage}: local steps per rank {list(p.local_steps)}, "
+                  f"top-k ratios {[round(r, 3) for r in p.ratios]}")
+    for r in results:
+        c = r["counters"]
+        print(f"  rank {r['rank']}: {c['local_steps']} local steps, {c['commits']} commits, "
+              f"compute {c['compute_s']:.2f} s, communication {c['comm_s']:.2f} s")
+    for e in events:
+        print(f"  [{e['at_s']:7.2f} s] {e['kind']}: {e['reason']}")
+    print(f"  details: {args.out}")
