@@ -86,3 +86,29 @@ def test_timeline_has_every_ranks_compute_and_commit_spans(tmp_path):
         names = {e["name"] for e in events if e.get("pid") == rank}
         assert {"compute", "commit", "plan"} <= names, (rank, names)
     assert all(e["dur"] >= 0 for e in events if e["ph"] == "X")
+
+
+def horovodrun(*args, timeout=120):
+    import os
+    import subprocess
+    from _util import mpi_env
+    bin_dir = Path(sys.executable).parent
+    env = mpi_env()
+    env.update(PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", OMP_NUM_THREADS="1")
+    return subprocess.run([str(bin_dir / "horovodrun"), *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+def test_horovodrun_launches_the_same_script(tmp_path):
+    out = tmp_path / "r.json"
+    proc = horovodrun("-np", 3, "-H", "localhost:3", sys.executable, SCRIPT, out,
+                      "--target-accuracy", "0.9")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    check_run(json.loads(out.read_text()), 3, 0.9)
+
+
+def test_gloo_launch_is_refused_with_a_clear_error(tmp_path):
+    proc = horovodrun("--gloo", "-np", 2, "-H", "localhost:2", sys.executable, SCRIPT,
+                      tmp_path / "r.json", timeout=90)
+    assert proc.returncode != 0
+    assert "ashl needs an MPI launch" in proc.stdout + proc.stderr

@@ -94,10 +94,13 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: Optional[torch
     if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
         raise ValueError(f"staleness must be an integer >= 0, got {staleness!r}")
     kwargs = dict(config)
-    if "staleness_fn" in kwargs:
-        kwargs["staleness"] = kwargs.pop("staleness_fn")
-    if strategy in ("ashl",):
+    if strategy == "ashl":
+        if "staleness_fn" in kwargs:
+            kwargs["staleness"] = kwargs.pop("staleness_fn")
         kwargs.update(compression=compression, bound=staleness)
+    elif "staleness_fn" in kwargs or compression not in (None,) and compression.ratio < 1.0:
+        raise ValueError(f"staleness_fn and sparse compression apply to strategy='ashl', "
+                         f"not {strategy!r} (its rounds are synchronous and dense)")
     engine = make_strategy(strategy, model, params, sampler=sampler, **kwargs)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                dict(_DistributedOptimizer.__dict__))
