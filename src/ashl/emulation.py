@@ -1,5 +1,10 @@
 """Emulated heterogeneity for tests and benchmarks.
 
+Heterogeneity(compute_factor, link) is one rank's emulated hardware, handed to a strategy
+(DistributedOptimizer(..., heterogeneity=...)) or read from ASHL_EMULATE_* variables. Link
+delays sit on the message itself: a sender's message departs late, a receiver holds a
+reply until its arrival time (send time + delay on the host-wide monotonic clock).
+
 ComputeSlowdown makes a step take `factor` times its real duration: after the real
 work it sleeps (factor - 1) * elapsed. The factor may be changed mid-run (drift tests).
 A sleep that overshoots (a loaded machine wakes sleepers late) is paid back from the
@@ -11,9 +16,11 @@ from __future__ import annotations
 import math
 import os
 import time
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
 
-__all__ = ["ComputeSlowdown", "factors_from_string", "compute_factor_from_env"]
+__all__ = ["ComputeSlowdown", "factors_from_string", "compute_factor_from_env", "Link",
+           "DEFAULT_LINK", "Heterogeneity", "sleep_until"]
 
 ENV_COMPUTE = "ASHL_EMULATE_COMPUTE"
 
@@ -48,8 +55,13 @@ class ComputeSlowdown:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        elapsed = self.clock() - self._start
-        self._start = None
+        start, self._start = self._start, None
+        self.stretch(start)
+
+    def stretch(self, since: float) -> None:
+        """Sleep so that the span from `since` (a reading of `clock`) to now takes `factor`
+        times as long."""
+        elapsed = self.clock() - since
         extra = (self._factor - 1) * elapsed
         if extra <= 0:
             return
@@ -80,3 +92,93 @@ def compute_factor_from_env(rank: int, default: float = 1.0) -> float:
     text = os.environ.get(ENV_COMPUTE, "")
     factors = factors_from_string(text) if text.strip() else []
     return factors[rank] if rank < len(factors) else _check_factor(default)
+
+
+# --- a rank's emulated hardware: compute and link -----------------------------------
+
+ENV_LINK = "ASHL_EMULATE_LINK"          # 'f0,f1,...': link slowdown factor per rank
+ENV_LINK_BASE = "ASHL_EMULATE_LINK_BASE"  # 'LATENCY_S,BYTES_PER_S' of a factor-1 link
+
+
+@dataclass(frozen=True)
+class Link:
+    """An emulated link: a message of B bytes arrives latency_s + B / bytes_per_s after it
+    was sent."""
+    latency_s: float
+    bytes_per_s: float
+
+    def __post_init__(self):
+        if not (math.isfinite(self.latency_s) and self.latency_s >= 0):
+            raise ValueError(f"link latency must be a finite number >= 0 s, got {self.latency_s!r}")
+        if not (math.isfinite(self.bytes_per_s) and self.bytes_per_s > 0):
+            raise ValueError(f"link bandwidth must be a finite number > 0 bytes/s, "
+                             f"got {self.bytes_per_s!r}")
+
+    def delay(self, nbytes: int) -> float:
+        return self.latency_s + nbytes / self.bytes_per_s
+
+    def slowed(self, factor: float) -> "Link":
+        """The same link `factor` times slower: latency x factor, bandwidth / factor."""
+        factor = _check_factor(factor)
+        return Link(self.latency_s * factor, self.bytes_per_s / factor)
+
+
+# A factor-1 link: 1 Gbit/s with 0.5 ms latency (a datacentre Ethernet link).
+DEFAULT_LINK = Link(5e-4, 125e6)
+
+
+@dataclass(frozen=True)
+class Heterogeneity:
+    """What one rank emulates: each local step takes compute_factor times its real time;
+    every message it sends or receives is delayed by `link` (None: the real network only)."""
+    compute_factor: float = 1.0
+    link: Optional[Link] = None
+
+    def __post_init__(self):
+        _check_factor(self.compute_factor)
+
+    @property
+    def active(self) -> bool:
+        return self.compute_factor != 1.0 or self.link is not None
+
+    def link_delay(self, nbytes: int) -> float:
+        return 0.0 if self.link is None else self.link.delay(nbytes)
+
+    @classmethod
+    def for_rank(cls, rank: int, compute: Sequence[float] = (), link: Sequence[float] = (),
+                 base: Link = DEFAULT_LINK) -> "Heterogeneity":
+        """Rank `rank`'s share of per-rank factor lists (a missing rank gets factor 1; an
+        empty link list means no link emulation)."""
+        c = _check_factor(compute[rank]) if rank < len(compute) else 1.0
+        if not link:
+            return cls(c, None)
+        f = _check_factor(link[rank]) if rank < len(link) else 1.0
+        return cls(c, base.slowed(f))
+
+    @classmethod
+    def from_env(cls, rank: int) -> "Heterogeneity":
+        """From ASHL_EMULATE_COMPUTE / ASHL_EMULATE_LINK / ASHL_EMULATE_LINK_BASE, so a
+        benchmark can slow any script's ranks without touching it."""
+        compute = factors_from_string(os.environ.get(ENV_COMPUTE, ""))
+        link = factors_from_string(os.environ.get(ENV_LINK, ""))
+        base = DEFAULT_LINK
+        text = os.environ.get(ENV_LINK_BASE, "").strip()
+        if text:
+            try:
+                latency, bw = (float(x) for x in text.split(","))
+            except ValueError:
+                raise ValueError(f"{ENV_LINK_BASE}={text!r}: expected 'LATENCY_S,BYTES_PER_S'") from None
+            base = Link(latency, bw)
+        return cls.for_rank(rank, compute, link, base)
+
+
+def sleep_until(deadline: float, clock: Callable[[], float] = time.monotonic) -> float:
+    """Sleep until clock() >= deadline (a shared, system-wide monotonic clock); returns the
+    seconds slept."""
+    waited = 0.0
+    while True:
+        left = deadline - clock()
+        if left <= 0:
+            return waited
+        time.sleep(left)
+        waited += left

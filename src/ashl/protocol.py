@@ -13,7 +13,9 @@ SENDER), plan version, epoch, local steps, commit number, base version (the glob
 version a delta was computed against, or the version a reply carries), numel (elements the
 payload describes: the model size for deltas and model replies), nnz (pairs in a sparse
 payload), samples, and the rank's measurements (step_s, link_s, link_ratio, loss) plus the
-server's staleness wait (wait_s) so the coordinator gets its reports with each commit.
+server's staleness wait (wait_s) so the coordinator gets its reports with each commit,
+and the send time (sent_at, the host-wide monotonic clock) from which an emulated slow link
+delivers the message.
 
 Payload layouts:
   DENSE_DELTA, REPLY  numel values of `dtype`
@@ -78,6 +80,7 @@ _LAYOUT = struct.Struct(
     "d"     # link_ratio
     "d"     # loss
     "d"     # wait_s
+    "d"     # sent_at
 )
 _PAD = HEADER_SIZE - _LAYOUT.size
 assert _PAD >= 0
@@ -177,6 +180,7 @@ class Header:
     link_ratio: float = 1.0
     loss: float = math.nan
     wait_s: float = 0.0
+    sent_at: float = 0.0   # sender's host-wide monotonic clock; emulated links deliver from it
 
     @property
     def payload_nbytes(self) -> int:
@@ -264,6 +268,7 @@ def validate(h: Header, world_size: int | None = None, model_numel: int | None =
     for name in ("step_s", "link_s"):
         _duration(h, name, optional=True)
     _duration(h, "wait_s", optional=False)
+    _duration(h, "sent_at", optional=False)
     ratio = _real(h, "link_ratio")
     if not math.isfinite(ratio) or not 0.0 < ratio <= 1.0:
         raise ProtocolError("link_ratio", f"must be in (0, 1], got {ratio}")
@@ -299,7 +304,7 @@ def validate(h: Header, world_size: int | None = None, model_numel: int | None =
         raise ProtocolError("numel", f"a {h.nbytes}-byte message exceeds the MPI limit {MAX_MESSAGE_BYTES}")
 
     return h.replace(kind=kind, stage=stage, dtype=dtype, flags=Flag(int(h.flags)),
-                     **{k: float(getattr(h, k)) for k in ("step_s", "link_s", "link_ratio", "loss", "wait_s")},
+                     **{k: float(getattr(h, k)) for k in ("step_s", "link_s", "link_ratio", "loss", "wait_s", "sent_at")},
                      **{k: int(getattr(h, k)) for k in ("rank", "plan_version", "epoch", "local_steps",
                                                         "commit", "base_version", "numel", "nnz", "samples")})
 
@@ -312,7 +317,7 @@ def encode(h: Header, out=None) -> bytes | None:
     fields = (MAGIC, VERSION, int(h.kind), int(h.stage), int(h.flags), int(h.dtype), 0,
               h.rank, h.plan_version, h.epoch, h.local_steps, h.commit, h.base_version, h.numel,
               h.nnz, h.samples, float(h.step_s), float(h.link_s), float(h.link_ratio),
-              float(h.loss), float(h.wait_s))
+              float(h.loss), float(h.wait_s), float(h.sent_at))
     if out is None:
         return _LAYOUT.pack(*fields) + bytes(_PAD)
     mv = memoryview(out).cast("B")
@@ -340,7 +345,7 @@ def decode(data, nbytes: int | None = None, *, world_size: int, model_numel: int
                             + (" (truncated)" if got < HEADER_SIZE else ""))
     (magic, version, kind, stage, flags, dtype, reserved, rank, plan_version, epoch, local_steps,
      commit, base_version, numel, nnz, samples, step_s, link_s, link_ratio, loss,
-     wait_s) = _LAYOUT.unpack_from(mv, 0)
+     wait_s, sent_at) = _LAYOUT.unpack_from(mv, 0)
     if magic != MAGIC:
         raise ProtocolError("magic", f"expected {MAGIC!r}, got {bytes(magic)!r}")
     if version != VERSION:
@@ -350,7 +355,7 @@ def decode(data, nbytes: int | None = None, *, world_size: int, model_numel: int
     h = Header(kind=kind, rank=rank, stage=stage, commit=commit, base_version=base_version,
                plan_version=plan_version, epoch=epoch, local_steps=local_steps, dtype=dtype,
                numel=numel, nnz=nnz, flags=flags, samples=samples, step_s=step_s, link_s=link_s,
-               link_ratio=link_ratio, loss=loss, wait_s=wait_s)
+               link_ratio=link_ratio, loss=loss, wait_s=wait_s, sent_at=sent_at)
     return validate(h, world_size=world_size, model_numel=model_numel)
 
 

@@ -271,7 +271,8 @@ class ServerThread:
             log.exception("the parameter server failed")
 
     def _send(self, r: Reply) -> None:
-        protocol.send(self.comm, r.dest, r.header, r.payload, tag=protocol.TAG_TO_RANK)
+        header = r.header.replace(sent_at=time.monotonic())   # emulated links deliver from it
+        protocol.send(self.comm, r.dest, header, r.payload, tag=protocol.TAG_TO_RANK)
         if r.header.flags & Flag.PLAN_FOLLOWS:
             body = protocol.json_payload(r.plan.to_dict())
             protocol.send(self.comm, r.dest,

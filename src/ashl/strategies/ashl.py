@@ -53,11 +53,11 @@ class AshlStrategy(Strategy):
                  stage_config: Optional[StageConfig] = None,
                  drift_config: Optional[DriftConfig] = None,
                  evaluate: Optional[Callable[[], float]] = None, eval_every_s: float = 2.0,
-                 poll_s: float = 2e-4):
+                 poll_s: float = 2e-4, heterogeneity=None):
         MPI = mpi_world()
         comm = (MPI.COMM_WORLD if comm is None else comm)
         super().__init__(model, params, sampler=sampler, rank=comm.Get_rank(),
-                         size=comm.Get_size())
+                         size=comm.Get_size(), heterogeneity=heterogeneity)
         if not 0 <= server_rank < self.size:
             raise ValueError(f"server_rank {server_rank} is not a rank of this {self.size}-rank job")
         if profile_steps < 3:
@@ -119,6 +119,7 @@ class AshlStrategy(Strategy):
             # on the server rank, the first global model.
             self.anchors = [t.detach().clone() for t in self.tensors]
             self._round_start = time.time()
+            self.clock.restart()
             if self._resume is not None:
                 self._start_from_checkpoint()
 
@@ -126,7 +127,7 @@ class AshlStrategy(Strategy):
         if self.finished:
             raise RuntimeError("this optimizer has finished (opt.finished is True); "
                                "stop the training loop")
-        dt = self.clock.step_done()
+        dt = self.step_done()
         self.local_steps += 1
         self.round_steps += 1
         value = loss_value(loss)
@@ -149,8 +150,9 @@ class AshlStrategy(Strategy):
 
     def _make_plan(self) -> None:
         push, pull = self.mc.measure_link(4 * self.numel)
-        self.profiler.extend("push", [push.mean])
-        self.profiler.extend("pull", [pull.mean])
+        emulated = self.hetero.link_delay(protocol.HEADER_SIZE + 4 * self.numel)
+        self.profiler.extend("push", [push.mean + emulated])
+        self.profiler.extend("pull", [pull.mean + emulated])
         profile = self.profiler.profile(min_warmup=1)
         if self.is_server:
             flat = torch.empty(self.numel, dtype=torch.float32)
@@ -209,9 +211,11 @@ class AshlStrategy(Strategy):
                         link_s=Header.optional(self.last_link_s), link_ratio=self.last_ratio,
                         loss=Header.optional(self.loss.commit()))
         t_send = time.perf_counter()
+        self.link_departure(header.nbytes)
         protocol.send(self.comm, self.server_rank, header, payload.buffer,
                       tag=protocol.TAG_TO_SERVER)
         reply = self._receive()
+        self.link_arrival(reply.header.sent_at, reply.header.nbytes)
         t_reply = time.perf_counter()
         self.bytes_sent += header.nbytes
         self.commits += 1

@@ -118,11 +118,12 @@ class AshlSyncStrategy(Strategy):
                  planner_config: Optional[PlannerConfig] = None,
                  stage_config: Optional[StageConfig] = None,
                  drift_config: Optional[DriftConfig] = None,
-                 evaluate: Optional[Callable[[], float]] = None, eval_every_s: float = 2.0):
+                 evaluate: Optional[Callable[[], float]] = None, eval_every_s: float = 2.0,
+                 heterogeneity=None):
         MPI = mpi_world()
         comm = MPI.COMM_WORLD if comm is None else comm
         super().__init__(model, params, sampler=sampler, rank=comm.Get_rank(),
-                         size=comm.Get_size())
+                         size=comm.Get_size(), heterogeneity=heterogeneity)
         self.hvd = _horovod()
         if self.hvd.size() != self.size or self.hvd.rank() != self.rank:
             raise RuntimeError(f"Horovod's world (rank {self.hvd.rank()} of {self.hvd.size()}) is "
@@ -200,12 +201,13 @@ class AshlSyncStrategy(Strategy):
             # The model as broadcast before training: the anchor of the first delta.
             self.anchors = [t.detach().clone() for t in self.tensors]
             self._round_wall = time.time()
+            self.clock.restart()
 
     def after_step(self, loss) -> None:
         if self.finished:
             raise RuntimeError("this optimizer has finished (opt.finished is True); "
                                "stop the training loop")
-        dt = self.clock.step_done()
+        dt = self.step_done()
         self.local_steps += 1
         self.round_steps += 1
         value = loss_value(loss)
@@ -223,8 +225,9 @@ class AshlSyncStrategy(Strategy):
     def _make_plan(self) -> None:
         """Collective: measure the link with the dense payload, plan on rank 0, broadcast."""
         push, pull = self.mc.measure_link(4 * self.numel)
-        self.profiler.extend("push", [push.mean])
-        self.profiler.extend("pull", [pull.mean])
+        emulated = self.hetero.link_delay(4 * self.numel)
+        self.profiler.extend("push", [push.mean + emulated])
+        self.profiler.extend("pull", [pull.mean + emulated])
         profile = self.profiler.profile(min_warmup=1)
         plan = self.mc.establish_plan(profile, serve_reports=False)
         self.plan_t = self._elapsed()
@@ -270,6 +273,9 @@ class AshlSyncStrategy(Strategy):
         flat[self.numel:].copy_(ctl)
 
         t_send = time.perf_counter()
+        # An emulated slow link delays this rank's contribution; the allreduce then ends
+        # no sooner than the slowest rank's data arrives, as on a real network.
+        self.link_departure(4 * flat.numel())
         self.hvd.allreduce_(flat, op=self.hvd.Sum, name=_ALLREDUCE_NAME)
         t_done = time.perf_counter()
         self.bytes_allreduced += 4 * flat.numel()

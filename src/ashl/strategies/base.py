@@ -12,6 +12,7 @@ from typing import Optional, Sequence
 import torch
 
 from .. import kernels
+from ..emulation import ComputeSlowdown, Heterogeneity
 from ..stages import RunningLoss, Stage
 
 
@@ -46,7 +47,15 @@ class StepClock:
         self.total_compute = 0.0
         self.comm_s = 0.0
 
-    def step_done(self) -> float:
+    def restart(self) -> None:
+        """At the first step(): whatever came before (imports, broadcasts, waiting for the
+        other ranks to start) is not compute, and an emulated slowdown must not stretch it."""
+        self.last_end = time.perf_counter()
+
+    def step_done(self, slowdown: Optional[ComputeSlowdown] = None) -> float:
+        """The step that just ended; an emulated slowdown stretches it first."""
+        if slowdown is not None and slowdown.factor != 1.0:
+            slowdown.stretch(self.last_end)
         now = time.perf_counter()
         dt = now - self.last_end
         self.last_end = now
@@ -72,7 +81,8 @@ class Strategy:
 
     name = "base"
 
-    def __init__(self, model, params, *, sampler=None, rank: int = 0, size: int = 1):
+    def __init__(self, model, params, *, sampler=None, rank: int = 0, size: int = 1,
+                 heterogeneity: Optional[Heterogeneity] = None):
         self.model = model
         self.tensors = model_state_tensors(model, params)
         self.numel = kernels.flat_numel(self.tensors)
@@ -86,6 +96,27 @@ class Strategy:
         self.clock = StepClock()
         self.loss = RunningLoss()
         self.host = socket.gethostname()
+        # Emulated hardware (tests, benchmarks): explicit, else ASHL_EMULATE_* variables.
+        self.hetero = heterogeneity if heterogeneity is not None else Heterogeneity.from_env(rank)
+        self.slowdown = (ComputeSlowdown(self.hetero.compute_factor)
+                         if self.hetero.compute_factor != 1.0 else None)
+
+    def step_done(self) -> float:
+        """Count a local step's compute (stretched by any emulated slowdown)."""
+        return self.clock.step_done(self.slowdown)
+
+    def link_departure(self, nbytes: int) -> None:
+        """An emulated slow link: the message leaves only after its transfer time."""
+        delay = self.hetero.link_delay(nbytes)
+        if delay > 0:
+            time.sleep(delay)
+
+    def link_arrival(self, sent_at: float, nbytes: int) -> None:
+        """An emulated slow link: a message sent at `sent_at` (time.monotonic, host-wide) is
+        not delivered before sent_at + its transfer time."""
+        if self.hetero.link is not None:
+            from ..emulation import sleep_until
+            sleep_until(sent_at + self.hetero.link_delay(nbytes))
 
     # driven by the optimizer
     def before_step(self) -> None:
