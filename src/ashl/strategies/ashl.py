@@ -22,7 +22,7 @@ from ..protocol import Flag, Header, Kind, StageCode
 from ..server import ParameterServer, ServerThread
 from ..stages import Stage, StageConfig
 from ..timeline import Timeline, timeline_path, write_chrome_trace
-from .base import Strategy, loss_value
+from .base import Strategy, loss_value, verify_same_model
 
 log = logging.getLogger("ashl")
 
@@ -62,6 +62,7 @@ class AshlStrategy(Strategy):
             raise ValueError(f"server_rank {server_rank} is not a rank of this {self.size}-rank job")
         if profile_steps < 3:
             raise ValueError(f"profile_steps must be >= 3 (one is warm-up), got {profile_steps}")
+        verify_same_model(comm, self.names, self.tensors)
         self.comm = comm.Dup()               # commits and replies: a tag space of their own
         self.server_rank = server_rank
         self.mc = MPICoordinator(comm, root=server_rank, planner_config=planner_config,
@@ -135,12 +136,17 @@ class AshlStrategy(Strategy):
             self.loss.add(value)
         if self.stage == Stage.PROFILE:
             self.profiler.record("compute", dt)
-        if self.round_steps >= self.local_steps_target():
+        if self._round_done():
             t0 = time.perf_counter()
             if self.stage == Stage.PROFILE:
                 self._make_plan()
             self._commit()
             self.clock.exclude(time.perf_counter() - t0)
+
+    def _round_done(self) -> bool:
+        """Time to commit? After this rank's H_i local steps (a time-based baseline
+        overrides this)."""
+        return self.round_steps >= self.local_steps_target()
 
     def _start_server(self, model: torch.Tensor) -> None:
         server = ParameterServer(model, self.size, self.mc.coordinator, rank=self.rank,
@@ -233,6 +239,7 @@ class AshlStrategy(Strategy):
             self.rejected += 1
             if self.residual is not None:
                 self.residual.zero_()   # error feedback of a rejected delta is garbage too
+            self.clear_nonfinite_optimizer_state()
             log.warning("rank %d: commit %d was rejected by the server; resuming from the "
                         "global model", self.rank, header.commit)
         self.version = h.base_version

@@ -75,7 +75,7 @@ from ..profiler import RankProfiler
 from ..stages import Stage, StageConfig, StageMachine
 from ..timeline import Timeline, timeline_path, write_chrome_trace
 from .ashl import mpi_world
-from .base import Strategy, loss_value
+from .base import Strategy, loss_value, verify_same_model
 
 log = logging.getLogger("ashl")
 
@@ -124,6 +124,7 @@ class AshlSyncStrategy(Strategy):
         comm = MPI.COMM_WORLD if comm is None else comm
         super().__init__(model, params, sampler=sampler, rank=comm.Get_rank(),
                          size=comm.Get_size(), heterogeneity=heterogeneity)
+        verify_same_model(comm, self.names, self.tensors)
         self.hvd = _horovod()
         if self.hvd.size() != self.size or self.hvd.rank() != self.rank:
             raise RuntimeError(f"Horovod's world (rank {self.hvd.rank()} of {self.hvd.size()}) is "
@@ -398,6 +399,7 @@ class AshlSyncStrategy(Strategy):
     def counters(self) -> dict:
         c = super().counters()
         c.update(rounds=self.commits, bytes_allreduced=self.bytes_allreduced,
+                 bytes_sent=self.bytes_allreduced,
                  idle_s=self.idle_s, eval_s=self.eval_s, rejected=self.rejected,
                  machine_commits=self.machine.commits, stop_reason=self.stop_reason,
                  last_accuracy=self.last_accuracy, left_early=self.left_early)

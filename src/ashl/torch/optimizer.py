@@ -18,11 +18,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def step(self, closure=None, loss=None):
         self._ashl.before_step()
-        result = super(self.__class__, self).step(closure)
+        result = self._ashl_step(closure)
         if loss is None and closure is not None:
             loss = result
         self._ashl.after_step(loss)
         return result
+
+    def _ashl_step(self, closure=None):
+        """The local update: the user's optimizer's step (strategy "bsp": Horovod's, which
+        synchronizes the allreduced gradients first)."""
+        return super(self.__class__, self).step(closure)
 
     @property
     def finished(self) -> bool:
@@ -35,7 +40,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     @property
     def stage(self) -> str:
-        return self._ashl.stage.value
+        return self._ashl.stage_label
 
     @property
     def strategy(self):
@@ -75,14 +80,19 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: Optional[torch
         travel; without it, the optimizer's parameters.
     sampler: a HeterogeneousSampler; it receives the plan's data shares.
     strategy: "ashl" (parameter server, AHL then SHL) or "ashl-sync" (the same per-rank
-        local steps, each round ending in one hvd.allreduce_).
+        local steps, each round ending in one hvd.allreduce_), or a baseline: "bsp"
+        (Horovod's own DistributedOptimizer underneath), "localsgd", "ssp", "asp", "adsp"
+        (see ashl.strategies).
     compression: force a compressor for SHL (default: top-k at each rank's planned ratio).
-    staleness: SHL's bound s (a rank at most s commits ahead of the slowest).
+    staleness: SHL's bound s (a rank at most s commits ahead of the slowest); strategy
+        "ssp": its bound.
     config: strategy options (profile_steps, staleness_fn="polynomial(0.5)", server_rank,
         planner_config, stage_config, drift_config, evaluate, eval_every_s).
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if named_parameters is not None:
+        named_parameters = list(named_parameters)
     if model is not None:
         params = [p for p in model.parameters()]
     elif named_parameters is not None:
@@ -101,10 +111,47 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: Optional[torch
     elif "staleness_fn" in kwargs or compression not in (None,) and compression.ratio < 1.0:
         raise ValueError(f"staleness_fn and sparse compression apply to strategy='ashl', "
                          f"not {strategy!r} (its rounds are synchronous and dense)")
+    elif strategy == "ssp":
+        kwargs.update(bound=staleness)
     engine = make_strategy(strategy, model, params, sampler=sampler, **kwargs)
-    cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
-               dict(_DistributedOptimizer.__dict__))
-    wrapped = cls.__new__(cls)
-    wrapped.__dict__.update(optimizer.__dict__)   # the same param_groups and state objects
+    if strategy == "bsp":
+        wrapped = _wrap_horovod(optimizer, model, named_parameters)
+    else:
+        cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
+                   dict(_DistributedOptimizer.__dict__))
+        wrapped = cls.__new__(cls)
+        wrapped.__dict__.update(optimizer.__dict__)   # the same param_groups and state objects
     wrapped._ashl = engine
+    engine.optimizer = wrapped
     return wrapped
+
+
+def _wrap_horovod(optimizer: torch.optim.Optimizer, model, named_parameters):
+    """Strategy "bsp": ``hvd.DistributedOptimizer(optimizer, named_parameters=...)`` itself
+    (gradient allreduce hooks, synchronize() in step()), with ashl's methods added so step()
+    still reports to the strategy.
+
+    Horovod builds its result as ``type(name, (user class,), dict(horovod's methods))`` and
+    its methods call ``super(self.__class__, self)``, so that class cannot be subclassed
+    again. Instead its instance (whose backward hooks are bound to it) gets a class of the
+    same shape: the user's class as the base, Horovod's methods, then ashl's, with
+    ``_ashl_step`` = Horovod's step. The result is an instance of the user's optimizer class
+    whose methods (synchronize, step, zero_grad, load_state_dict...) are Horovod's own
+    functions. Like Horovod's, it is a new optimizer over the same param_groups (optimizer
+    state starts empty: wrap before loading any state)."""
+    import horovod.torch as hvd
+    from horovod.torch.optimizer import _DistributedOptimizer as _HorovodOptimizer
+
+    if named_parameters is None and model is not None:
+        named_parameters = list(model.named_parameters())
+    inner = hvd.DistributedOptimizer(optimizer, named_parameters=named_parameters)
+    if type(inner).__dict__.get("synchronize") is not _HorovodOptimizer.synchronize:
+        raise RuntimeError("strategy 'bsp' needs Horovod's allreduce optimizer (op=Average, "
+                           "not Adasum)")
+    body = {k: v for k, v in type(inner).__dict__.items() if k not in ("__dict__", "__weakref__")}
+    body.update((k, v) for k, v in _DistributedOptimizer.__dict__.items()
+                if k not in ("__dict__", "__weakref__", "__module__", "__doc__"))
+    body["_ashl_step"] = _HorovodOptimizer.step
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), body)
+    inner.__class__ = cls
+    return inner
