@@ -10,4 +10,6 @@ from __future__ import annotations
 SUBCOMMANDS = {
     "kernels": ("ashl.bench.kernels",
                 "time the fused multi-tensor kernels against torch._foreach_* and flat torch ops"),
+    "e2e": ("ashl.bench.e2e",
+            "every strategy on the same emulated heterogeneous job: time to target, utilisation"),
 }

@@ -86,7 +86,6 @@ class AshlStrategy(Strategy):
         self.last_ratio = 1.0
         self.rejected = 0
         self.bytes_sent = 0
-        self.epoch = 0
         self._last_eval = 0.0
         self._resume: Optional[dict] = None
         self.timeline = Timeline(self.rank)
@@ -109,9 +108,6 @@ class AshlStrategy(Strategy):
             ratio = self.plan.ratio(self.rank, Stage.SHL.value)
             return Compression.topk(ratio) if ratio < 1.0 else Compression.none
         return Compression.none
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = int(epoch)
 
     # ---------------------------------------------------------------- driving
     def before_step(self) -> None:

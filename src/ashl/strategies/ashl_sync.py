@@ -159,7 +159,6 @@ class AshlSyncStrategy(Strategy):
         self.bytes_allreduced = 0
         self.idle_s = 0.0
         self.eval_s = 0.0
-        self.epoch = 0
         self._last_eval = float("-inf")
         self._round_start = time.perf_counter()   # for the busy slot (perf_counter)
         self._round_wall = time.time()            # for the timeline (wall clock)
@@ -178,9 +177,6 @@ class AshlSyncStrategy(Strategy):
         if stage == Stage.PROFILE:
             return 1.0 / self.size
         return float(self.plan.stage(stage.value).merge_weights[self.rank])
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = int(epoch)
 
     def _elapsed(self) -> float:
         return time.monotonic() - self.t0

@@ -139,6 +139,7 @@ class Strategy:
         self.loss = RunningLoss()
         self.host = socket.gethostname()
         self.optimizer = None        # the wrapped optimizer, set by DistributedOptimizer
+        self.epoch = 0
         # Emulated hardware (tests, benchmarks): explicit, else ASHL_EMULATE_* variables.
         self.hetero = heterogeneity if heterogeneity is not None else Heterogeneity.from_env(rank)
         self.slowdown = (ComputeSlowdown(self.hetero.compute_factor)
@@ -178,6 +179,10 @@ class Strategy:
     def stage_label(self) -> str:
         """What ``opt.stage`` shows: the stage's name (baselines: "TRAIN", then "DONE")."""
         return self.stage.value
+
+    def set_epoch(self, epoch: int) -> None:
+        """The training epoch, reported with commits (as a sampler is told)."""
+        self.epoch = int(epoch)
 
     # driven by the optimizer
     def before_step(self) -> None:

@@ -1,0 +1,409 @@
+"""``python -m ashl.bench e2e``: every strategy on the same job, end to end.
+
+Each strategy trains the same model on the same data from the same seed, on the same emulated
+cluster (per-rank compute and link slowdowns), launched as its own
+``mpirun -np R python -m ashl.train ...`` with a time budget and a timeout. A strategy that
+fails or times out is reported and the others still run.
+
+Writes (next to ``--json``, default ``out/e2e/e2e.json``):
+
+    e2e.json   {"scenario": {...}, "results": [{"strategy", "status", "time_to_target_s",
+               "final_accuracy", "utilization" (per rank), "bytes_sent", "commits", ...}],
+               "speedup_vs": {baseline: its time to target / ashl's}, ...}
+    e2e.md     the table, as printed
+    e2e.png    every strategy's test accuracy against wall time
+    <strategy>/   each run's own output (summary.json, metrics.jsonl, curves.png, timeline.json,
+                  log.txt with its stdout and stderr)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from typing import Optional, Sequence
+
+from ..emulation import DEFAULT_LINK
+from ..strategies import STRATEGIES
+
+# The order of the comparison; only those in STRATEGIES run by default.
+DEFAULT_ORDER = ("ashl", "ashl-sync", "bsp", "localsgd", "ssp", "asp", "adsp")
+ASHL_FAMILY = ("ashl", "ashl-sync")
+DEFAULT_TARGET = 0.93     # digits / MLP: every reasonable strategy gets there in seconds
+SRC = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def default_strategies() -> list[str]:
+    return [s for s in DEFAULT_ORDER if s in STRATEGIES] + \
+           [s for s in STRATEGIES if s not in DEFAULT_ORDER]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--strategies", default=None,
+                   help=f"comma-separated (default: those of {','.join(DEFAULT_ORDER)} that exist; "
+                        f"now {','.join(default_strategies())})")
+    p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--compute-slowdown", default=None, metavar="F0,F1,...",
+                   help="per-rank compute slowdown factors (default 1,1,2,4 on 4 ranks; "
+                        "see default_factors for other rank counts)")
+    p.add_argument("--link-slowdown", default=None, metavar="F0,F1,...",
+                   help="per-rank link slowdown factors of --link-base (default as compute)")
+    p.add_argument("--link-base", default=None, metavar="LATENCY_S,BYTES_PER_S",
+                   help=f"the factor-1 link (default {DEFAULT_LINK.latency_s:g},"
+                        f"{DEFAULT_LINK.bytes_per_s:g})")
+    p.add_argument("--homogeneous", action="store_true",
+                   help="the control scenario: every factor 1 (the factor-1 link still emulated)")
+    p.add_argument("--model", default="mlp")
+    p.add_argument("--dataset", default="digits")
+    p.add_argument("--target-accuracy", type=float, default=DEFAULT_TARGET)
+    p.add_argument("--max-seconds", type=float, default=60.0,
+                   help="time budget of each strategy's run (profiling included)")
+    p.add_argument("--full-budget", action="store_true",
+                   help="do not stop at the target: every run uses its whole --max-seconds")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--eval-every", type=float, default=None, metavar="SECONDS")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="kill a run after this many seconds (default: --max-seconds + 120)")
+    p.add_argument("--mpirun", default="mpirun", help="the launcher command")
+    p.add_argument("--mpirun-args", default="--oversubscribe --bind-to none",
+                   help="extra launcher arguments (one string)")
+    p.add_argument("--out", default=None, help="directory of the runs (default: next to --json)")
+    p.add_argument("--json", default=os.path.join("out", "e2e", "e2e.json"),
+                   help="where the results go (.md table and .png plot beside it)")
+
+
+def _error(message: str) -> int:
+    print(f"ashl.bench e2e: error: {message}", file=sys.stderr)
+    return 2
+
+
+def default_factors(ranks: int) -> list[float]:
+    """The default cluster: 1,1,2,4 on 4 ranks (cycled beyond); 1 / 1,4 / 1,2,4 below."""
+    if ranks >= 4:
+        return [(1.0, 1.0, 2.0, 4.0)[i % 4] for i in range(ranks)]
+    return [[1.0], [1.0, 4.0], [1.0, 2.0, 4.0]][ranks - 1]
+
+
+def _factors(option: str, text: Optional[str], ranks: int) -> tuple[Optional[list[float]], Optional[str]]:
+    if text is None:
+        return default_factors(ranks), None
+    try:
+        values = [float(x.strip()) for x in text.split(",")]
+    except ValueError:
+        return None, f"{option} {text!r}: expected comma-separated factors >= 1, e.g. 1,1,2,4"
+    if any(not math.isfinite(v) or v < 1 for v in values):
+        return None, f"{option} {text!r}: every factor must be a finite number >= 1"
+    if len(values) > ranks:
+        return None, f"{option} {text!r} lists {len(values)} factors for --ranks {ranks}"
+    return values + [1.0] * (ranks - len(values)), None
+
+
+def _fmt_list(values: Sequence[float]) -> str:
+    return ",".join(f"{v:g}" for v in values)
+
+
+def _mpi_env() -> dict:
+    env = dict(os.environ)
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    env.setdefault("OMPI_MCA_btl_vader_single_copy_mechanism", "none")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [SRC, env.get("PYTHONPATH")]))
+    env.pop("ASHL_TIMELINE", None)   # each run writes its own timeline.json
+    for name in ("ASHL_EMULATE_COMPUTE", "ASHL_EMULATE_LINK", "ASHL_EMULATE_LINK_BASE"):
+        env.pop(name, None)          # the scenario comes from the options, nothing else
+    return env
+
+
+def train_command(args, strategy: str, run_dir: str, compute: Sequence[float],
+                  link: Sequence[float]) -> list[str]:
+    cmd = [args.mpirun, "-np", str(args.ranks), *shlex.split(args.mpirun_args),
+           "-x", "OMP_NUM_THREADS", "-x", "PYTHONPATH", "-x", "PYTHONUNBUFFERED",
+           sys.executable, "-m", "ashl.train", "--strategy", strategy,
+           "--model", args.model, "--dataset", args.dataset,
+           "--compute-slowdown", _fmt_list(compute), "--link-slowdown", _fmt_list(link),
+           "--max-seconds", f"{args.max_seconds:g}", "--seed", str(args.seed),
+           "--batch-size", str(args.batch_size), "--lr", f"{args.lr:g}",
+           "--out", run_dir, "--no-progress"]
+    if args.link_base:
+        cmd += ["--link-base", args.link_base]
+    if not args.full_budget:
+        cmd += ["--target-accuracy", f"{args.target_accuracy:g}"]
+    if args.eval_every is not None:
+        cmd += ["--eval-every", f"{args.eval_every:g}"]
+    return cmd
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """End the launcher we started and its ranks (its own process group), politely first."""
+    for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def run_strategy(args, strategy: str, run_dir: str, compute, link, timeout: float) -> dict:
+    os.makedirs(run_dir, exist_ok=True)
+    summary_path = os.path.join(run_dir, "summary.json")
+    if os.path.exists(summary_path):
+        os.remove(summary_path)   # a stale result must not pass for this run's
+    cmd = train_command(args, strategy, run_dir, compute, link)
+    log_path = os.path.join(run_dir, "log.txt")
+    t0 = time.monotonic()
+    status, error = "ok", None
+    with open(log_path, "w") as log:
+        log.write("$ " + " ".join(shlex.quote(c) for c in cmd) + "\n")
+        log.flush()
+        try:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_mpi_env(),
+                                    start_new_session=True)
+        except OSError as e:
+            return {"strategy": strategy, "status": "failed", "error": f"cannot start {cmd[0]}: {e}",
+                    "run_dir": run_dir}
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            rc = None
+            status, error = "timeout", f"killed after {timeout:g} s"
+        except BaseException:
+            _kill_group(proc)
+            raise
+    elapsed = time.monotonic() - t0
+    if rc not in (0, None):
+        status, error = "failed", f"exit status {rc}"
+    result = {"strategy": strategy, "status": status, "launch_s": round(elapsed, 2),
+              "run_dir": run_dir}
+    if status == "ok" and not os.path.exists(summary_path):
+        status, error = "failed", "no summary.json"
+        result["status"] = status
+    if status != "ok":
+        result["error"] = f"{error}; last lines of {log_path}:\n" + _tail(log_path, 15)
+        rows = _metrics(run_dir)
+        if rows:   # what a timed-out run got to is still worth a curve
+            result["time_to_target_s"] = _time_to_target(rows, args.target_accuracy)
+        return result
+    with open(summary_path) as f:
+        s = json.load(f)
+    rows = _metrics(run_dir)
+    result.update(
+        time_to_target_s=_time_to_target(rows, args.target_accuracy),
+        final_accuracy=s.get("final_accuracy"),
+        utilization=s.get("utilization"),
+        bytes_sent=s.get("bytes_sent"),
+        commits=s.get("commits"),
+        local_steps=s.get("local_steps"),
+        wall_s=s.get("wall_s"),
+        stop_reason=s.get("stop_reason"),
+    )
+    return result
+
+
+def _tail(path: str, n: int) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-n:])
+    except OSError:
+        return ""
+
+
+def _metrics(run_dir: str) -> list[dict]:
+    from ..train import read_metrics
+    return read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+
+
+def _time_to_target(rows, target: float) -> Optional[float]:
+    from ..train import time_to_target
+    return time_to_target(rows, target)
+
+
+def speedups(results: Sequence[dict], of: str) -> tuple[dict, dict]:
+    """{other: other's time to target / of's} where both reached it; and, for the others
+    that missed it within their wall time, {other: lower bound wall / of's}."""
+    mine = next((r for r in results if r["strategy"] == of), None)
+    exact, at_least = {}, {}
+    if mine is None or mine.get("time_to_target_s") is None:
+        return exact, at_least
+    t = max(mine["time_to_target_s"], 1e-9)
+    for r in results:
+        if r["strategy"] == of:
+            continue
+        if r.get("time_to_target_s") is not None:
+            exact[r["strategy"]] = round(r["time_to_target_s"] / t, 3)
+        else:
+            exact[r["strategy"]] = None
+            if r.get("status") == "ok" and r.get("wall_s"):
+                at_least[r["strategy"]] = round(r["wall_s"] / t, 3)
+    return exact, at_least
+
+
+def table(results: Sequence[dict], target: float, of: Optional[str],
+          exact: dict, at_least: dict) -> str:
+    head = ["strategy", f"time to {target:g} [s]", "final acc", "util mean", "util min",
+            "MB sent", "commits", "wall [s]"]
+    if of:
+        head.append(f"{of} speedup")
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    for r in results:
+        if r.get("status") != "ok":
+            row = [r["strategy"], r["status"].upper()] + [""] * (len(head) - 2)
+        else:
+            util = r.get("utilization") or []
+            ttt = r.get("time_to_target_s")
+            row = [r["strategy"],
+                   "missed" if ttt is None else f"{ttt:.2f}",
+                   "-" if r.get("final_accuracy") is None else f"{r['final_accuracy']:.4f}",
+                   f"{sum(util) / len(util):.0%}" if util else "-",
+                   f"{min(util):.0%}" if util else "-",
+                   f"{(r.get('bytes_sent') or 0) / 1e6:.1f}",
+                   str(r.get("commits", "-")),
+                   "-" if r.get("wall_s") is None else f"{r['wall_s']:.1f}"]
+            if of:
+                if r["strategy"] == of:
+                    row.append("1.00")
+                elif exact.get(r["strategy"]) is not None:
+                    row.append(f"{exact[r['strategy']]:.2f}x")
+                elif r["strategy"] in at_least:
+                    row.append(f"> {at_least[r['strategy']]:.2f}x")
+                else:
+                    row.append("-")
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def plot(results: Sequence[dict], path: str, target: float, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for r in results:
+        rows = _metrics(r["run_dir"]) if r.get("run_dir") else []
+        rows = [x for x in rows if x.get("accuracy") is not None]
+        if not rows:
+            continue
+        label = r["strategy"]
+        ttt = r.get("time_to_target_s")
+        label += f" ({ttt:.1f} s)" if ttt is not None else " (missed)"
+        if r.get("status") != "ok":
+            label += f" [{r['status']}]"
+        ax.plot([x["t"] for x in rows], [x["accuracy"] for x in rows], marker=".",
+                markersize=3, linewidth=1.4, label=label)
+    ax.axhline(target, color="grey", linestyle="--", linewidth=1)
+    ax.set_xlabel("wall time [s], profiling included")
+    ax.set_ylabel("test accuracy (rank 0)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right", title=f"time to {target:g}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def run(args) -> int:
+    names = (default_strategies() if args.strategies is None
+             else [s.strip() for s in args.strategies.split(",") if s.strip()])
+    if not names:
+        return _error(f"--strategies {args.strategies!r}: no strategy named")
+    unknown = [s for s in names if s not in STRATEGIES]
+    if unknown:
+        return _error(f"--strategies {args.strategies!r}: unknown {', '.join(map(repr, unknown))} "
+                      f"(known: {', '.join(STRATEGIES)})")
+    if len(set(names)) != len(names):
+        return _error(f"--strategies {args.strategies!r}: a strategy is named twice")
+    if args.ranks < 1:
+        return _error(f"--ranks {args.ranks}: must be >= 1")
+    if not (math.isfinite(args.max_seconds) and args.max_seconds > 0):
+        return _error(f"--max-seconds {args.max_seconds:g}: must be a finite number > 0")
+    if not 0 < args.target_accuracy <= 1:
+        return _error(f"--target-accuracy {args.target_accuracy:g}: must be in (0, 1]")
+    if args.homogeneous:
+        compute, link = [1.0] * args.ranks, [1.0] * args.ranks
+    else:
+        compute, err = _factors("--compute-slowdown", args.compute_slowdown, args.ranks)
+        if err:
+            return _error(err)
+        link, err = _factors("--link-slowdown", args.link_slowdown, args.ranks)
+        if err:
+            return _error(err)
+    timeout = args.timeout if args.timeout is not None else args.max_seconds + 120
+    if not (math.isfinite(timeout) and timeout > 0):
+        return _error(f"--timeout {timeout:g}: must be a finite number > 0")
+    json_path = os.path.abspath(args.json)
+    out = os.path.abspath(args.out) if args.out else os.path.dirname(json_path)
+    os.makedirs(out, exist_ok=True)
+    os.makedirs(os.path.dirname(json_path), exist_ok=True)
+    stem = os.path.splitext(json_path)[0]
+
+    scenario = {
+        "name": "homogeneous" if args.homogeneous else "heterogeneous",
+        "ranks": args.ranks, "compute_slowdown": compute, "link_slowdown": link,
+        "link_base": args.link_base or f"{DEFAULT_LINK.latency_s:g},{DEFAULT_LINK.bytes_per_s:g}",
+        "model": args.model, "dataset": args.dataset, "seed": args.seed,
+        "batch_size": args.batch_size, "lr": args.lr,
+        "target_accuracy": args.target_accuracy, "max_seconds": args.max_seconds,
+        "stop_at_target": not args.full_budget, "timeout_s": timeout,
+        "strategies": names, "host": platform.node(), "cpus": os.cpu_count(),
+    }
+    print(f"e2e: {len(names)} strategies on {args.ranks} ranks, {args.model}/{args.dataset}, "
+          f"compute x{_fmt_list(compute)}, link x{_fmt_list(link)}, target {args.target_accuracy:g}, "
+          f"budget {args.max_seconds:g} s each", flush=True)
+    results = []
+    for name in names:
+        run_dir = os.path.join(out, name)
+        t0 = time.monotonic()
+        r = run_strategy(args, name, run_dir, compute, link, timeout)
+        results.append(r)
+        if r["status"] == "ok":
+            ttt = r.get("time_to_target_s")
+            print(f"  {name:10s} time to target {'missed' if ttt is None else f'{ttt:.2f} s'}, "
+                  f"final accuracy {r['final_accuracy']:.4f} ({time.monotonic() - t0:.0f} s "
+                  f"with start-up)", flush=True)
+        else:
+            print(f"  {name:10s} {r['status'].upper()}: {r['error']}", flush=True)
+
+    of = next((s for s in ASHL_FAMILY if s in names), None)
+    exact, at_least = speedups(results, of) if of else ({}, {})
+    report = {"scenario": scenario, "results": results,
+              "speedup_of": of, "speedup_vs": exact, "speedup_at_least_vs": at_least,
+              "speedups": {s: speedups(results, s)[0] for s in ASHL_FAMILY if s in names}}
+    with open(json_path, "w") as f:
+        json.dump(report, f, indent=1)
+    md = table(results, args.target_accuracy, of, exact, at_least)
+    scen = (f"{scenario['name']}: {args.ranks} ranks, compute x{_fmt_list(compute)}, "
+            f"link x{_fmt_list(link)}, {args.model}/{args.dataset}, seed {args.seed}")
+    with open(stem + ".md", "w") as f:
+        f.write(f"# ashl e2e ({scen})\n\n{md}\n")
+    png = stem + ".png"
+    try:
+        plot(results, png, args.target_accuracy, f"e2e, {scen}")
+    except Exception as e:
+        print(f"e2e: could not draw the plot: {e}", file=sys.stderr)
+        png = None
+    print()
+    print(md)
+    print()
+    print(f"results: {json_path}\ntable:   {stem}.md")
+    if png:
+        print(f"plot:    {png}")
+    failed = [r["strategy"] for r in results if r["status"] != "ok"]
+    if failed:
+        print(f"e2e: {len(failed)} strateg{'y' if len(failed) == 1 else 'ies'} failed: "
+              f"{', '.join(failed)} (see each run's log.txt)", file=sys.stderr)
+        return 1
+    return 0

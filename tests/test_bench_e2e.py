@@ -1,0 +1,155 @@
+"""``python -m ashl.bench e2e``: option checks, the report's pieces, a failing launcher
+reported without ending the benchmark, and a small real comparison under mpirun."""
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "mpi"))
+import _util  # noqa: E402
+
+from ashl.bench import SUBCOMMANDS, e2e  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def bench(*args, timeout=120):
+    env = _util.mpi_env()
+    env["OMP_NUM_THREADS"] = "1"
+    return subprocess.run([sys.executable, "-m", "ashl.bench", "e2e", *map(str, args)],
+                          capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def test_registered_as_a_bench_subcommand():
+    assert SUBCOMMANDS["e2e"][0] == "ashl.bench.e2e"
+
+
+def test_default_strategies_are_the_known_ones_ashl_first():
+    names = e2e.default_strategies()
+    from ashl.strategies import STRATEGIES
+    assert set(names) == set(STRATEGIES) and names[0] == "ashl"
+
+
+def test_default_cluster_per_rank_count():
+    assert e2e.default_factors(4) == [1, 1, 2, 4]
+    assert e2e.default_factors(6) == [1, 1, 2, 4, 1, 1]
+    assert e2e.default_factors(2) == [1, 4] and e2e.default_factors(1) == [1]
+    assert e2e._factors("--x", "1,2", 4) == ([1, 2, 1, 1], None)
+
+
+def test_homogeneous_scenario_sets_every_factor_to_one(tmp_path):
+    out = tmp_path / "e2e.json"
+    proc = bench("--ranks", "3", "--homogeneous", "--strategies", "ashl", "--mpirun", "false",
+                 "--mpirun-args", "", "--json", out, timeout=60)
+    assert proc.returncode == 1
+    sc = json.loads(out.read_text())["scenario"]
+    assert sc["name"] == "homogeneous"
+    assert sc["compute_slowdown"] == [1, 1, 1] and sc["link_slowdown"] == [1, 1, 1]
+    log = (tmp_path / "ashl" / "log.txt").read_text()
+    assert "--compute-slowdown 1,1,1 --link-slowdown 1,1,1" in log
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--strategies", "ashl,nope"], "'nope'"),
+    (["--strategies", "ashl,ashl"], "twice"),
+    (["--ranks", "2", "--compute-slowdown", "1,2,3"], "--compute-slowdown '1,2,3'"),
+    (["--link-slowdown", "1,x"], "--link-slowdown '1,x'"),
+    (["--max-seconds", "0"], "--max-seconds"),
+    (["--target-accuracy", "95"], "--target-accuracy"),
+])
+def test_bad_options_exit_2_with_one_line(args, needle, tmp_path):
+    proc = bench(*args, "--json", tmp_path / "e.json", timeout=30)
+    assert proc.returncode == 2, proc.stderr
+    line, = proc.stderr.strip().splitlines()
+    assert line.startswith("ashl.bench e2e: error:") and needle in line, line
+    assert not (tmp_path / "e.json").exists()
+
+
+def fake(strategy, ttt, wall=10.0, status="ok", **kw):
+    r = {"strategy": strategy, "status": status, "time_to_target_s": ttt, "final_accuracy": 0.95,
+         "utilization": [0.9, 0.5], "bytes_sent": 2_000_000, "commits": 40, "wall_s": wall}
+    r.update(kw)
+    return r
+
+
+def test_speedups_and_table():
+    results = [fake("ashl", 2.0), fake("bsp", 5.0), fake("asp", None, wall=30.0),
+               {"strategy": "ssp", "status": "failed", "error": "exit status 1"}]
+    exact, at_least = e2e.speedups(results, "ashl")
+    assert exact == {"bsp": 2.5, "asp": None, "ssp": None}
+    assert at_least == {"asp": 15.0}
+    md = e2e.table(results, 0.93, "ashl", exact, at_least)
+    lines = md.splitlines()
+    assert lines[0].startswith("| strategy | time to 0.93 [s]") and len(lines) == 2 + 4
+    assert "| bsp | 5.00 |" in md and "2.50x" in md and "> 15.00x" in md
+    assert "| asp | missed |" in md and "| ssp | FAILED |" in md
+    assert "70%" in md   # mean utilisation
+
+
+def test_a_failing_launcher_is_reported_and_the_rest_still_runs(tmp_path):
+    """Every run fails (the launcher is `false`): each is reported, the JSON, table and plot
+    are still written, and the exit status says something failed."""
+    out = tmp_path / "e2e.json"
+    proc = bench("--ranks", "2", "--strategies", "ashl,ashl-sync", "--mpirun", "false",
+                 "--mpirun-args", "", "--max-seconds", "5", "--json", out, timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    report = json.loads(out.read_text())
+    assert [r["strategy"] for r in report["results"]] == ["ashl", "ashl-sync"]
+    assert all(r["status"] == "failed" and "exit status" in r["error"] for r in report["results"])
+    assert "FAILED" in (tmp_path / "e2e.md").read_text()
+    assert "2 strategies failed" in proc.stderr
+
+
+def test_a_run_past_its_timeout_is_killed_and_reported(tmp_path):
+    hang = tmp_path / "hang.sh"
+    hang.write_text("#!/bin/sh\nsleep 60 &\nwait\n")   # a launcher whose child hangs too
+    hang.chmod(0o755)
+    out = tmp_path / "e2e.json"
+    t0 = time.monotonic()
+    proc = bench("--ranks", "1", "--strategies", "ashl", "--mpirun", hang, "--mpirun-args", "",
+                 "--timeout", "2", "--json", out, timeout=60)
+    assert proc.returncode == 1
+    r, = json.loads(out.read_text())["results"]
+    assert r["status"] == "timeout" and "killed after 2 s" in r["error"]
+    assert time.monotonic() - t0 < 30
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(_util.skip_reason() is not None, reason=_util.skip_reason() or "")
+def test_two_strategies_on_two_ranks(tmp_path):
+    out = tmp_path / "bench" / "e2e.json"
+    t0 = time.monotonic()
+    proc = bench("--ranks", "2", "--strategies", "ashl,ashl-sync", "--compute-slowdown", "1,3",
+                 "--link-slowdown", "1,2", "--max-seconds", "15", "--target-accuracy", "0.9",
+                 "--timeout", "40", "--json", out, timeout=100)
+    took = time.monotonic() - t0
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    report = json.loads(out.read_text())
+    sc = report["scenario"]
+    assert sc["ranks"] == 2 and sc["compute_slowdown"] == [1.0, 3.0]
+    assert sc["link_slowdown"] == [1.0, 2.0] and sc["target_accuracy"] == 0.9
+    assert sc["name"] == "heterogeneous"
+    assert [r["strategy"] for r in report["results"]] == ["ashl", "ashl-sync"]
+    for r in report["results"]:
+        assert r["status"] == "ok", r
+        for key in ("time_to_target_s", "final_accuracy", "utilization", "bytes_sent", "commits"):
+            assert key in r, key
+        assert r["time_to_target_s"] is not None and r["time_to_target_s"] > 0
+        assert r["final_accuracy"] >= 0.9
+        assert len(r["utilization"]) == 2 and all(0 < u <= 1.05 for u in r["utilization"])
+        assert r["bytes_sent"] > 0 and r["commits"] > 0
+        assert (Path(r["run_dir"]) / "summary.json").exists()
+    assert report["speedup_of"] == "ashl"
+    assert set(report["speedup_vs"]) == {"ashl-sync"} and report["speedup_vs"]["ashl-sync"] > 0
+    assert set(report["speedups"]) == {"ashl", "ashl-sync"}
+    md = (out.parent / "e2e.md").read_text()
+    assert "| ashl |" in md and "| ashl-sync |" in md
+    assert "| strategy |" in proc.stdout
+    assert (out.parent / "e2e.png").read_bytes()[:8] == PNG_MAGIC
+    assert f"plot:    {out.parent / 'e2e.png'}" in proc.stdout
+    print(f"e2e with 2 strategies on 2 ranks: {took:.0f} s")
