@@ -221,6 +221,16 @@ class Coordinator:
         self.machine.resume(stage, self.clock())
         self._sync_stage()
 
+    def start(self, plan: Plan, stage: Stage, reason: str) -> None:
+        """Begin training in ``stage`` with a plan made without profiling (a baseline's
+        fixed plan); PROFILE -> ``stage`` at once."""
+        if len(plan.profiles) != self.n_ranks:
+            raise ValueError(f"the plan is for {len(plan.profiles)} ranks, this job has {self.n_ranks}")
+        self.plan = plan
+        self._log("plan", reason)
+        self.machine.resume(stage, self.clock(), reason=reason)
+        self._sync_stage()
+
     def on_commit(self, report: CommitReport) -> Directive:
         if self.plan is None:
             raise RuntimeError("commit reported before the first plan was made")

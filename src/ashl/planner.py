@@ -40,6 +40,7 @@ __all__ = [
     "StagePlan",
     "Plan",
     "make_plan",
+    "uniform_plan",
     "plan_stage",
     "push_seconds",
     "pull_seconds",
@@ -523,6 +524,34 @@ def make_plan(profiles: Iterable[RankProfile], config: PlannerConfig | None = No
                      shares=shl.shares if config.share_source == "shl" else None)
     return Plan(version=version, profiles=profiles, config=config, ahl=ahl, shl=shl,
                 shares_from_epoch=shares_from_epoch, reason=reason)
+
+
+def uniform_plan(n_ranks: int, local_steps: int, merge_weight: Fraction, *,
+                 reason: str = "", version: int = 1) -> Plan:
+    """A fixed plan without profiling (the baselines): every rank does `local_steps` steps per
+    round in both stages, dense, on an equal data share, merged with `merge_weight`. Its
+    profiles are placeholders (1 s per step, free links): nothing was measured."""
+    if not isinstance(n_ranks, int) or n_ranks < 1:
+        raise ValueError(f"n_ranks must be an integer >= 1, got {n_ranks!r}")
+    if isinstance(local_steps, bool) or not isinstance(local_steps, int) or local_steps < 1:
+        raise ValueError(f"local_steps must be an integer >= 1, got {local_steps!r}")
+    weight = Fraction(merge_weight)
+    if weight <= 0:
+        raise ValueError(f"merge_weight must be > 0, got {merge_weight!r}")
+    profiles = tuple(RankProfile(compute_s=1.0, push_s=0.0, pull_s=0.0) for _ in range(n_ranks))
+    config = PlannerConfig(k_ahl=local_steps, k_shl=local_steps, shl_target_ratio=1.0,
+                           weighting="uniform")
+
+    def stage(name: str) -> StagePlan:
+        return StagePlan(stage=name, k=local_steps, target_ratio=1.0, bottleneck=0,
+                         local_steps=(local_steps,) * n_ranks, ratios=(1.0,) * n_ranks,
+                         shares=(Fraction(1, n_ranks),) * n_ranks,
+                         merge_weights=(weight,) * n_ranks,
+                         rank_round_s=(float(local_steps),) * n_ranks,
+                         round_s=float(local_steps), idle_fraction=(0.0,) * n_ranks)
+
+    return Plan(version=version, profiles=profiles, config=config, ahl=stage(AHL),
+                shl=stage(SHL), reason=reason)
 
 
 def load_profile_document(doc: Mapping[str, Any]) -> tuple[list[RankProfile], PlannerConfig, int | None]:

@@ -18,6 +18,7 @@ import logging
 import math
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -33,6 +34,8 @@ from .stages import Stage
 
 log = logging.getLogger("ashl.server")
 
+SHL_LOG_LENGTH = 10000
+
 
 @dataclass
 class ServerStats:
@@ -43,11 +46,13 @@ class ServerStats:
     max_shl_lead: int = 0          # the furthest any SHL reply went ahead of the slowest rank
     waits: int = 0                 # SHL replies held back by the staleness bound
     bytes_received: int = 0
-    shl_log: list = field(default_factory=list)   # (rank, shl commit, slowest live) per reply
+    # (rank, shl commit, slowest live) per SHL reply; the latest ones only, so a long run's
+    # server memory stays flat
+    shl_log: deque = field(default_factory=lambda: deque(maxlen=SHL_LOG_LENGTH))
 
     def to_dict(self) -> dict:
         d = dict(self.__dict__)
-        d["shl_log"] = [list(x) for x in self.shl_log[-10000:]]
+        d["shl_log"] = [list(x) for x in self.shl_log]
         return d
 
 

@@ -61,6 +61,8 @@ class StageConfig:
     target_accuracy: float | None = None  # DONE once an evaluation reports >= this
     max_seconds: float | None = None      # DONE after this long, profiling included
     max_commits: int | None = None        # DONE after this many commits (AHL + SHL)
+    switch: bool = True                   # False: one training stage until DONE (baselines);
+                                          # neither the loss nor an AHL budget moves it
 
     def __post_init__(self) -> None:
         if not isinstance(self.switch_loss, (int, float)) or not math.isfinite(self.switch_loss):
@@ -189,14 +191,15 @@ class StageMachine:
             self._check(now)
         return self.stage
 
-    def resume(self, stage: Stage, now: float) -> Stage:
-        """PROFILE -> ``stage`` (AHL or SHL) for a run continued from a checkpoint."""
+    def resume(self, stage: Stage, now: float, reason: str = "resumed from a checkpoint") -> Stage:
+        """PROFILE -> ``stage`` (AHL or SHL) for a run continued from a checkpoint (or one
+        that starts with a fixed plan and no profiling: ``reason`` says which)."""
         stage = Stage(stage)
         if stage not in (Stage.AHL, Stage.SHL):
             raise ValueError(f"a run resumes in AHL or SHL, not {stage.value}")
-        self.begin_training(now, reason="resumed from a checkpoint")
+        self.begin_training(now, reason=reason)
         if stage is Stage.SHL and self.stage is Stage.AHL:
-            self._move(Stage.SHL, now, "resumed from a checkpoint")
+            self._move(Stage.SHL, now, reason)
         return self.stage
 
     def commit(self, rank: int, now: float, loss: float | None = None) -> Stage:
@@ -261,7 +264,7 @@ class StageMachine:
                 and self.last_accuracy >= cfg.target_accuracy):
             return self._finish(now, f"target accuracy: {self.last_accuracy:.4g} >= {cfg.target_accuracy:g}")
 
-        if self.stage is Stage.AHL:
+        if self.stage is Stage.AHL and cfg.switch:
             if loss is not None and loss < cfg.switch_loss:
                 return self._move(Stage.SHL, now, f"global loss {loss:.4g} < switch_loss {cfg.switch_loss:g}")
             in_ahl = now - self._c.ahl_started_at
