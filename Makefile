@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 
-.PHONY: all bootstrap build test demo bench bench-kernels clean distclean
+.PHONY: all bootstrap build test demo bench bench-kernels bench-e2e clean distclean
 
 all: build
 
@@ -30,18 +30,24 @@ test: build
 	@$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
-# The main job: ASHL on 4 ranks (oversubscribed on small machines), embedded digits data.
+# The main job: ashl against Horovod's BSP and local SGD on 4 emulated heterogeneous ranks
+# (compute and link slowdowns 1,1,2,4), embedded digits data; prints the table and the plot.
 DEMO_RANKS ?= 4
 demo: build
-	@mkdir -p $(OUT)
-	mpirun -np $(DEMO_RANKS) --oversubscribe --bind-to none \
-	    -x OMP_NUM_THREADS=1 $(PY) examples/train_digits.py $(OUT)/demo.json
+	@mkdir -p $(OUT)/demo
+	$(PY) -m ashl.bench e2e --strategies ashl,bsp,localsgd --ranks $(DEMO_RANKS) \
+	    --json $(OUT)/demo/e2e.json
 
-bench: bench-kernels
+bench: bench-kernels bench-e2e
 
 bench-kernels: build
 	@mkdir -p $(OUT)
 	$(PY) -m ashl.bench kernels --json $(OUT)/kernels.json
+
+bench-e2e: build
+	@mkdir -p $(OUT)/e2e $(OUT)/e2e-homogeneous
+	$(PY) -m ashl.bench e2e --json $(OUT)/e2e/e2e.json
+	$(PY) -m ashl.bench e2e --homogeneous --json $(OUT)/e2e-homogeneous/e2e.json
 
 clean:
 	rm -rf build $(OUT) src/ashl/_C*.so .pytest_cache .hypothesis

@@ -3,7 +3,7 @@
     horovodrun -np 4 python examples/train_digits.py out/digits.json
     mpirun -np 4 --oversubscribe --bind-to none python examples/train_digits.py out/digits.json
 
-Options: --strategy ashl|ashl-sync, --target-accuracy, --max-seconds, --max-commits,
+Options: --strategy (ashl, ashl-sync, bsp, localsgd, ssp, asp, adsp), --target-accuracy, --max-seconds, --max-commits,
 --checkpoint PATH (saved every epoch), --resume PATH. Rank 0 prints a summary and writes
 every rank's result, the plan and the coordinator's log to the JSON file.
 """

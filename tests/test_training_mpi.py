@@ -34,9 +34,11 @@ def check_run(result, np_, target):
 @pytest.mark.parametrize("np_", [3, 4])
 def test_ranks_reach_the_target_through_every_stage(np_, tmp_path):
     out = tmp_path / "result.json"
-    result = train(np_, out, "--target-accuracy", "0.93", "--ahl-max-commits", "40",
-                   "--max-seconds", "90")
-    server = check_run(result, np_, 0.93)
+    # An AHL budget of 16 commits (all ranks) and a target that takes longer than that, so
+    # the run passes through SHL even when the loss switch is slow to come.
+    result = train(np_, out, "--target-accuracy", "0.96", "--ahl-max-commits", "16",
+                   "--max-seconds", "120")
+    server = check_run(result, np_, 0.96)
     kinds = [(e["kind"], e["stage"]) for e in result["events"]]
     assert ("stage", "AHL") in kinds and ("stage", "SHL") in kinds, kinds
     assert result["events"][-1]["kind"] == "stop"
