@@ -267,7 +267,7 @@ def test_json_payload_round_trip():
 
 @pytest.fixture(scope="module")
 def MPI():
-    mpi4py = pytest.importorskip("mpi4py")
+    pytest.importorskip("mpi4py")
     from mpi4py import MPI
     return MPI
 

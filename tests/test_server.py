@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from ashl.compression import Compression, Payload
+from ashl.compression import Compression
 from ashl.coordinator import Coordinator
-from ashl.planner import RankProfile, make_plan
+from ashl.planner import RankProfile
 from ashl.protocol import DType, Flag, Header, Kind, ProtocolError, StageCode
 from ashl.server import ParameterServer
 from ashl.staleness import parse_staleness

@@ -8,7 +8,6 @@ import json
 import math
 import os
 import signal
-import time
 
 from mpi4py import MPI
 import horovod.torch as hvd

@@ -32,7 +32,7 @@ import os
 import platform
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -172,7 +172,6 @@ def cat(ts: List[torch.Tensor]) -> torch.Tensor:
 
 def build_case(op: str, L: ListData, K) -> Case:
     dev, n = L.device, L.n
-    f32 = torch.float32
 
     if op in ("pack_delta", "pack_delta+residual", "pack_delta_fp16"):
         fp, fa = L.flat_random(), L.flat_random()

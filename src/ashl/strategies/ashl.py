@@ -7,7 +7,6 @@ training; every rank, that one included, commits over MPI point-to-point.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from typing import Callable, Optional
 
@@ -17,12 +16,11 @@ from .. import checkpoint, kernels, protocol
 from ..compression import Compression, Compressor, Payload, Residual
 from ..coordinator import DriftConfig, MPICoordinator
 from ..planner import Plan, PlannerConfig
-from ..profiler import RankProfiler
 from ..protocol import Flag, Header, Kind, StageCode
 from ..server import ParameterServer, ServerThread
 from ..stages import Stage, StageConfig
 from ..timeline import Timeline, timeline_path, write_chrome_trace
-from .base import Strategy, loss_value, verify_same_model
+from .base import RoundStrategy, verify_same_model
 
 log = logging.getLogger("ashl")
 
@@ -43,7 +41,7 @@ def _launched_by_gloo() -> bool:
     return "HOROVOD_GLOO_RENDEZVOUS_ADDR" in os.environ
 
 
-class AshlStrategy(Strategy):
+class AshlStrategy(RoundStrategy):
     name = "ashl"
 
     def __init__(self, model, params, *, sampler=None, comm=None, compression=None,
@@ -72,7 +70,6 @@ class AshlStrategy(Strategy):
         self.profile_steps = profile_steps
         self.evaluate, self.eval_every_s = evaluate, eval_every_s
         self.poll_s = poll_s
-        self.profiler = RankProfiler(name=self.host)
         self.anchors: Optional[list[torch.Tensor]] = None
         self.residual = Residual(self.tensors) if all(
             t.dtype == torch.float32 for t in self.tensors) else None
@@ -81,7 +78,6 @@ class AshlStrategy(Strategy):
         self.reply_buf = protocol.MessageBuffer(max(4 * self.numel, protocol.MAX_PLAN_BYTES))
         self.server: Optional[ServerThread] = None
         self.version = 0                     # global version of the model we hold
-        self.round_steps = 0
         self.last_link_s: Optional[float] = None
         self.last_ratio = 1.0
         self.rejected = 0
@@ -120,29 +116,8 @@ class AshlStrategy(Strategy):
             if self._resume is not None:
                 self._start_from_checkpoint()
 
-    def after_step(self, loss) -> None:
-        if self.finished:
-            raise RuntimeError("this optimizer has finished (opt.finished is True); "
-                               "stop the training loop")
-        dt = self.step_done()
-        self.local_steps += 1
-        self.round_steps += 1
-        value = loss_value(loss)
-        if value is not None and math.isfinite(value):
-            self.loss.add(value)
-        if self.stage == Stage.PROFILE:
-            self.profiler.record("compute", dt)
-        if self._round_done():
-            t0 = time.perf_counter()
-            if self.stage == Stage.PROFILE:
-                self._make_plan()
-            self._commit()
-            self.clock.exclude(time.perf_counter() - t0)
-
-    def _round_done(self) -> bool:
-        """Time to commit? After this rank's H_i local steps (a time-based baseline
-        overrides this)."""
-        return self.round_steps >= self.local_steps_target()
+    def _end_round(self) -> None:
+        self._commit()
 
     def _start_server(self, model: torch.Tensor) -> None:
         server = ParameterServer(model, self.size, self.mc.coordinator, rank=self.rank,

@@ -63,7 +63,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from fractions import Fraction
 from typing import Callable, Optional
 
 import torch
@@ -71,11 +70,10 @@ import torch
 from .. import kernels
 from ..coordinator import DriftConfig, MPICoordinator
 from ..planner import Plan, PlannerConfig
-from ..profiler import RankProfiler
 from ..stages import Stage, StageConfig, StageMachine
 from ..timeline import Timeline, timeline_path, write_chrome_trace
 from .ashl import mpi_world
-from .base import Strategy, loss_value, verify_same_model
+from .base import RoundStrategy, verify_same_model
 
 log = logging.getLogger("ashl")
 
@@ -110,7 +108,7 @@ class _Slots:
         return self.end - self.loss
 
 
-class AshlSyncStrategy(Strategy):
+class AshlSyncStrategy(RoundStrategy):
     name = "ashl-sync"
 
     def __init__(self, model, params, *, sampler=None, comm=None, compression=None,
@@ -144,12 +142,10 @@ class AshlSyncStrategy(Strategy):
         self.machine = StageMachine(self.size, self.stage_config, start_time=0.0)
         self.profile_steps = profile_steps
         self.evaluate, self.eval_every_s = evaluate, float(eval_every_s)
-        self.profiler = RankProfiler(name=self.host)
         self.slots = _Slots(self.numel, self.size)
         self.flat = torch.zeros(self.slots.end, dtype=torch.float32,
                                 device=self.tensors[0].device)
         self.anchors: Optional[list[torch.Tensor]] = None
-        self.round_steps = 0
         self.plan_t: Optional[float] = None  # seconds since t0 when the plan was made
         self.pending_accuracy: Optional[float] = None   # rank 0: evaluated, not yet sent
         self.last_accuracy: Optional[float] = None
@@ -200,24 +196,8 @@ class AshlSyncStrategy(Strategy):
             self._round_wall = time.time()
             self.clock.restart()
 
-    def after_step(self, loss) -> None:
-        if self.finished:
-            raise RuntimeError("this optimizer has finished (opt.finished is True); "
-                               "stop the training loop")
-        dt = self.step_done()
-        self.local_steps += 1
-        self.round_steps += 1
-        value = loss_value(loss)
-        if value is not None and math.isfinite(value):
-            self.loss.add(value)
-        if self.stage == Stage.PROFILE:
-            self.profiler.record("compute", dt)
-        if self.round_steps >= self.local_steps_target():
-            t0 = time.perf_counter()
-            if self.stage == Stage.PROFILE:
-                self._make_plan()
-            self._round()
-            self.clock.exclude(time.perf_counter() - t0)
+    def _end_round(self) -> None:
+        self._round()
 
     def _make_plan(self) -> None:
         """Collective: measure the link with the dense payload, plan on rank 0, broadcast."""

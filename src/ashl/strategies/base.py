@@ -5,6 +5,7 @@ and ``after_step(loss)`` after the local update. It decides when to communicate 
 """
 from __future__ import annotations
 
+import math
 import socket
 import time
 from typing import Optional, Sequence
@@ -203,3 +204,47 @@ def loss_value(loss) -> Optional[float]:
     if loss is None:
         return None
     return float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+
+
+class RoundStrategy(Strategy):
+    """Profile with real steps, then rounds: local steps until ``_round_done()``, then one
+    exchange (``_end_round()``: a commit to the server, or an allreduce). Communication
+    inside step() is excluded from the compute clock."""
+
+    def __init__(self, model, params, **kwargs):
+        super().__init__(model, params, **kwargs)
+        from ..profiler import RankProfiler
+        self.profiler = RankProfiler(name=self.host)
+        self.round_steps = 0
+
+    def local_steps_target(self) -> int:
+        raise NotImplementedError
+
+    def _round_done(self) -> bool:
+        """After this rank's H_i local steps (a time-based strategy overrides this)."""
+        return self.round_steps >= self.local_steps_target()
+
+    def _make_plan(self) -> None:
+        raise NotImplementedError
+
+    def _end_round(self) -> None:
+        raise NotImplementedError
+
+    def after_step(self, loss) -> None:
+        if self.finished:
+            raise RuntimeError("this optimizer has finished (opt.finished is True); "
+                               "stop the training loop")
+        dt = self.step_done()
+        self.local_steps += 1
+        self.round_steps += 1
+        value = loss_value(loss)
+        if value is not None and math.isfinite(value):
+            self.loss.add(value)
+        if self.stage == Stage.PROFILE:
+            self.profiler.record("compute", dt)
+        if self._round_done():
+            t0 = time.perf_counter()
+            if self.stage == Stage.PROFILE:
+                self._make_plan()
+            self._end_round()
+            self.clock.exclude(time.perf_counter() - t0)
