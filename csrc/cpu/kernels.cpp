@@ -230,7 +230,7 @@ template <class I, class V, class D>
 bool merge_sparse_typed(Flat dst, const I* idx, const V* val, int64_t nnz, float weight) {
   const int64_t n = dst.numel;
   int out_of_range = 0, bad_value = 0;
-#pragma omp parallel for simd reduction(| : out_of_range, bad_value) if (nnz >= kParallelThreshold)
+#pragma omp simd reduction(| : out_of_range, bad_value)
   for (int64_t k = 0; k < nnz; ++k) {
     const int64_t i = static_cast<int64_t>(idx[k]);
     out_of_range |= (i < 0) | (i >= n);
@@ -246,25 +246,14 @@ bool merge_sparse_typed(Flat dst, const I* idx, const V* val, int64_t nnz, float
     }
   }
   if (bad_value) return false;
-  // Each thread owns a contiguous range of dst and applies only the indices
-  // that fall in it, in order: duplicates accumulate exactly as in a serial
-  // loop (same order, same result), with no atomics, and the random writes
-  // run on every core. Every thread scans all nnz indices, which is cheap next
-  // to the cache misses of the scatter itself.
+  // One thread: a top-k scatter touches a few hundred thousand cache lines at most, and a
+  // parallel region on a loaded machine waits a whole time slice for its slowest thread
+  // (measured: 0.2 ms serial against 12 ms for two threads beside another busy process).
+  // Serial also keeps duplicate indices accumulating in order.
   D* d = static_cast<D*>(dst.data);
-#pragma omp parallel if (nnz >= kParallelThreshold / 4)
-  {
-#ifdef _OPENMP
-    const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
-#else
-    const int64_t nt = 1, tid = 0;
-#endif
-    const int64_t lo = n / nt * tid + std::min(tid, n % nt);
-    const int64_t hi = lo + n / nt + (tid < n % nt ? 1 : 0);
-    for (int64_t k = 0; k < nnz; ++k) {
-      const int64_t i = static_cast<int64_t>(idx[k]);
-      if (i >= lo && i < hi) store(d, i, load(d, i) + weight * load(val, k));
-    }
+  for (int64_t k = 0; k < nnz; ++k) {
+    const int64_t i = static_cast<int64_t>(idx[k]);
+    store(d, i, load(d, i) + weight * load(val, k));
   }
   return true;
 }
