@@ -1,0 +1,1 @@
+"""Real cluster components for the launch tests: Slurm daemons, network-namespace hosts."""
