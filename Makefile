@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 
-.PHONY: all bootstrap build test demo bench bench-kernels bench-e2e clean distclean
+.PHONY: all bootstrap build test demo bench bench-kernels bench-e2e bench-e2e-netns clean distclean
 
 all: build
 
@@ -48,6 +48,14 @@ bench-e2e: build
 	@mkdir -p $(OUT)/e2e $(OUT)/e2e-homogeneous
 	$(PY) -m ashl.bench e2e --json $(OUT)/e2e/e2e.json
 	$(PY) -m ashl.bench e2e --homogeneous --json $(OUT)/e2e-homogeneous/e2e.json
+
+# Real shaped links between emulated hosts (root: network namespaces, tc), beside the emulated
+# links on the same 3-rank cluster (docs/BENCHMARKS.md).
+E2E_NETNS_ARGS ?= --strategies ashl,ashl-sync,bsp,localsgd --ranks 3 --compute-slowdown 1,2,4 \
+    --link-slowdown 1,2,4
+bench-e2e-netns: build
+	$(PY) -m ashl.bench e2e --netns $(E2E_NETNS_ARGS) --json $(OUT)/e2e-netns/e2e.json
+	$(PY) -m ashl.bench e2e $(E2E_NETNS_ARGS) --json $(OUT)/e2e-emulated3/e2e.json
 
 clean:
 	rm -rf build $(OUT) src/ashl/_C*.so .pytest_cache .hypothesis

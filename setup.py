@@ -45,6 +45,8 @@ class CMakeBuild(build_ext):
 setup(
     packages=find_packages("src"),
     package_dir={"": "src"},
+    # the emulated hosts' remote shell (ashl.netns; executable, copied executable if need be)
+    package_data={"ashl": ["hostexec"]},
     ext_modules=[CMakeExtension("ashl._C")],
     cmdclass={"build_ext": CMakeBuild},
 )

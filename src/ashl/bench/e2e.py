@@ -5,6 +5,12 @@ cluster (per-rank compute and link slowdowns), launched as its own
 ``mpirun -np R python -m ashl.train ...`` with a time budget and a timeout. A strategy that
 fails or times out is reported and the others still run.
 
+With ``--netns`` (root) the links are real instead of emulated: one emulated host per rank (a
+network namespace ashl-h<i> on a private bridge, ``ashl.netns``), rank i's link shaped with tc
+tbf in both directions to ``--netns-rate`` / its link slowdown factor, every mpirun started on
+host 0 across the hosts (TCP on 10.231.7.0/24 only). Compute slowdowns stay emulated; no
+emulated link delay is added. The hosts are removed at the end, whatever happens.
+
 Writes (next to ``--json``, default ``out/e2e/e2e.json``):
 
     e2e.json   {"scenario": {...}, "results": [{"strategy", "status", "time_to_target_s",
@@ -23,6 +29,7 @@ import math
 import os
 import platform
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -36,6 +43,10 @@ from ..strategies import STRATEGIES
 DEFAULT_ORDER = ("ashl", "ashl-sync", "bsp", "localsgd", "ssp", "asp", "adsp")
 ASHL_FAMILY = ("ashl", "ashl-sync")
 DEFAULT_TARGET = 0.93     # digits / MLP: every reasonable strategy gets there in seconds
+# --netns: the factor-1 link. The digits MLP's ~69 KB push takes ~5.5 ms at 100 Mbit/s and ~22 ms
+# on a factor-4 link (25 Mbit/s), against 1-4 ms local steps.
+DEFAULT_NETNS_RATE = "100mbit"
+DEFAULT_MPIRUN_ARGS = "--oversubscribe --bind-to none"
 SRC = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -73,8 +84,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=None,
                    help="kill a run after this many seconds (default: --max-seconds + 120)")
     p.add_argument("--mpirun", default="mpirun", help="the launcher command")
-    p.add_argument("--mpirun-args", default="--oversubscribe --bind-to none",
-                   help="extra launcher arguments (one string)")
+    p.add_argument("--mpirun-args", default=DEFAULT_MPIRUN_ARGS,
+                   help="extra launcher arguments (one string); with --netns the hosts' own "
+                        "(-H, plm_rsh_agent, btl tcp, --bind-to none) replace the default")
+    p.add_argument("--netns", action="store_true",
+                   help="real shaped links instead of emulated ones (root): one network-namespace "
+                        "host per rank, rank i's link shaped to --netns-rate / its link slowdown; "
+                        "--link-base does not apply")
+    p.add_argument("--netns-rate", default=DEFAULT_NETNS_RATE, metavar="RATE",
+                   help="with --netns: the factor-1 link's rate, tc syntax in bits "
+                        "(e.g. 100mbit, 500kbit)")
     p.add_argument("--out", default=None, help="directory of the runs (default: next to --json)")
     p.add_argument("--json", default=os.path.join("out", "e2e", "e2e.json"),
                    help="where the results go (.md table and .png plot beside it)")
@@ -125,21 +144,33 @@ def _mpi_env() -> dict:
 
 
 def train_command(args, strategy: str, run_dir: str, compute: Sequence[float],
-                  link: Sequence[float]) -> list[str]:
-    cmd = [args.mpirun, "-np", str(args.ranks), *shlex.split(args.mpirun_args),
+                  link: Sequence[float], hosts=None) -> list[str]:
+    """The launcher command of one run. With `hosts` (--netns): mpirun across the emulated
+    hosts, started on host 0, and no emulated link (the links are real)."""
+    if hosts is None:
+        launch = shlex.split(args.mpirun_args)
+    else:
+        from .. import netns
+        extra = "" if args.mpirun_args == DEFAULT_MPIRUN_ARGS else args.mpirun_args
+        launch = [*netns.mpirun_args(hosts), *shlex.split(extra)]
+    cmd = [args.mpirun, "-np", str(args.ranks), *launch,
            "-x", "OMP_NUM_THREADS", "-x", "PYTHONPATH", "-x", "PYTHONUNBUFFERED",
            sys.executable, "-m", "ashl.train", "--strategy", strategy,
            "--model", args.model, "--dataset", args.dataset,
-           "--compute-slowdown", _fmt_list(compute), "--link-slowdown", _fmt_list(link),
-           "--max-seconds", f"{args.max_seconds:g}", "--seed", str(args.seed),
-           "--batch-size", str(args.batch_size), "--lr", f"{args.lr:g}",
-           "--out", run_dir, "--no-progress"]
-    if args.link_base:
+           "--compute-slowdown", _fmt_list(compute)]
+    if hosts is None:
+        cmd += ["--link-slowdown", _fmt_list(link)]
+    cmd += ["--max-seconds", f"{args.max_seconds:g}", "--seed", str(args.seed),
+            "--batch-size", str(args.batch_size), "--lr", f"{args.lr:g}",
+            "--out", run_dir, "--no-progress"]
+    if args.link_base and hosts is None:
         cmd += ["--link-base", args.link_base]
     if not args.full_budget:
         cmd += ["--target-accuracy", f"{args.target_accuracy:g}"]
     if args.eval_every is not None:
         cmd += ["--eval-every", f"{args.eval_every:g}"]
+    if hosts is not None:
+        cmd = hosts.command(0, cmd)
     return cmd
 
 
@@ -157,12 +188,19 @@ def _kill_group(proc: subprocess.Popen) -> None:
             continue
 
 
-def run_strategy(args, strategy: str, run_dir: str, compute, link, timeout: float) -> dict:
+def run_strategy(args, strategy: str, run_dir: str, compute, link, timeout: float,
+                 hosts=None, train_dir: Optional[str] = None) -> dict:
+    """One strategy's run. ashl.train writes into `train_dir` (default run_dir; with --netns a
+    folder under /var/tmp that every host sees), copied into run_dir when the run ends."""
     os.makedirs(run_dir, exist_ok=True)
     summary_path = os.path.join(run_dir, "summary.json")
     if os.path.exists(summary_path):
         os.remove(summary_path)   # a stale result must not pass for this run's
-    cmd = train_command(args, strategy, run_dir, compute, link)
+    train_dir = train_dir or run_dir
+    if train_dir != run_dir:
+        shutil.rmtree(train_dir, ignore_errors=True)
+        os.makedirs(train_dir)
+    cmd = train_command(args, strategy, train_dir, compute, link, hosts)
     log_path = os.path.join(run_dir, "log.txt")
     t0 = time.monotonic()
     status, error = "ok", None
@@ -184,6 +222,9 @@ def run_strategy(args, strategy: str, run_dir: str, compute, link, timeout: floa
         except BaseException:
             _kill_group(proc)
             raise
+        finally:
+            if train_dir != run_dir and os.path.isdir(train_dir):
+                shutil.copytree(train_dir, run_dir, dirs_exist_ok=True)
     elapsed = time.monotonic() - t0
     if rc not in (0, None):
         status, error = "failed", f"exit status {rc}"
@@ -315,6 +356,95 @@ def plot(results: Sequence[dict], path: str, target: float, title: str) -> None:
     plt.close(fig)
 
 
+def _netns_rates(args, link: Sequence[float]) -> tuple[Optional[list[str]], Optional[str]]:
+    """--netns: every rank's link rate (tc text), or why the mode cannot run here."""
+    from .. import netns
+    if args.link_base:
+        return None, (f"--link-base {args.link_base!r} has no meaning with --netns (the links are "
+                      "real): set the factor-1 link with --netns-rate")
+    try:
+        base = netns.parse_rate(args.netns_rate)
+    except ValueError as e:
+        return None, f"--netns-rate {e}"
+    if args.ranks > netns.MAX_HOSTS:
+        return None, f"--netns --ranks {args.ranks}: at most {netns.MAX_HOSTS} hosts fit {netns.SUBNET}"
+    if not netns.is_root():
+        return None, "--netns needs root (it creates network namespaces and tc qdiscs)"
+    if shutil.which("ip") is None:
+        return None, "--netns needs `ip netns` (iproute2), and `ip` is not installed"
+    reason = netns.skip_reason()
+    if reason:
+        first = reason.strip().splitlines()[0]
+        return None, f"--netns: cannot emulate hosts here: {first}"
+    busy = netns.namespaces_in_use()
+    if busy:   # the names are machine-wide: re-making them would cut another run's hosts off
+        return None, ("--netns: the emulated hosts are in use by another run (" +
+                      "; ".join(f"{n}: pids {' '.join(map(str, p[:5]))}" for n, p in busy.items()) +
+                      "); wait for it to end")
+    return [netns.format_rate(base / f) for f in link], None
+
+
+class _NetnsHosts:
+    """One emulated host per rank, rank i's link shaped to rates[i], and a work folder under
+    /var/tmp (every host has a private /tmp). Yields (hosts, work); on leaving - normally, on an
+    error, Ctrl-C or SIGTERM - stops any process left in the hosts, deletes every namespace and
+    the work folder."""
+
+    def __init__(self, n: int, rates: Sequence[str]):
+        self.n, self.rates = n, list(rates)
+        self.hosts = self.work = None
+        self._old_sigterm = None
+
+    def __enter__(self):
+        import tempfile
+
+        from .. import netns
+        self._trap_sigterm()
+        try:
+            base = "/var/tmp" if os.path.isdir("/var/tmp") else None
+            self.work = tempfile.mkdtemp(prefix="ashl-e2e-netns-", dir=base)
+            os.chmod(self.work, 0o755)
+            self.hosts = netns.Hosts(self.n, tmp_base=os.path.join(self.work, "tmp"))
+            self.hosts.create()
+            for i, rate in enumerate(self.rates):
+                self.hosts.shape(i, rate)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self.hosts, self.work
+
+    def __exit__(self, *exc) -> None:
+        try:
+            if self.hosts is not None:
+                self.hosts.stop_processes()
+                self.hosts.destroy()
+            if self.work:
+                shutil.rmtree(self.work, ignore_errors=True)
+        finally:
+            self._restore_sigterm()
+
+    def _trap_sigterm(self) -> None:
+        def on_sigterm(signum, frame):
+            raise SystemExit(128 + signum)   # unwinds: the runs are killed, the hosts removed
+        try:
+            self._old_sigterm = signal.signal(signal.SIGTERM, on_sigterm)
+        except ValueError:                   # not the main thread: nothing to trap
+            self._old_sigterm = None
+
+    def _restore_sigterm(self) -> None:
+        if self._old_sigterm is not None:
+            signal.signal(signal.SIGTERM, self._old_sigterm)
+            self._old_sigterm = None
+
+
+class _no_hosts:
+    def __enter__(self):
+        return None, None
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
 def run(args) -> int:
     names = (default_strategies() if args.strategies is None
              else [s.strip() for s in args.strategies.split(",") if s.strip()])
@@ -344,6 +474,11 @@ def run(args) -> int:
     timeout = args.timeout if args.timeout is not None else args.max_seconds + 120
     if not (math.isfinite(timeout) and timeout > 0):
         return _error(f"--timeout {timeout:g}: must be a finite number > 0")
+    rates = None
+    if args.netns:
+        rates, err = _netns_rates(args, link)
+        if err:
+            return _error(err)
     json_path = os.path.abspath(args.json)
     out = os.path.abspath(args.out) if args.out else os.path.dirname(json_path)
     os.makedirs(out, exist_ok=True)
@@ -353,29 +488,48 @@ def run(args) -> int:
     scenario = {
         "name": "homogeneous" if args.homogeneous else "heterogeneous",
         "ranks": args.ranks, "compute_slowdown": compute, "link_slowdown": link,
-        "link_base": args.link_base or f"{DEFAULT_LINK.latency_s:g},{DEFAULT_LINK.bytes_per_s:g}",
+        "link_base": (None if args.netns else
+                      args.link_base or f"{DEFAULT_LINK.latency_s:g},{DEFAULT_LINK.bytes_per_s:g}"),
+        "netns": bool(args.netns),
         "model": args.model, "dataset": args.dataset, "seed": args.seed,
         "batch_size": args.batch_size, "lr": args.lr,
         "target_accuracy": args.target_accuracy, "max_seconds": args.max_seconds,
         "stop_at_target": not args.full_budget, "timeout_s": timeout,
         "strategies": names, "host": platform.node(), "cpus": os.cpu_count(),
     }
+    if args.netns:
+        from .. import netns
+        scenario.update(netns_rate=args.netns_rate, link_rates=rates,
+                        link_bits_per_s=[netns.parse_rate(r) for r in rates],
+                        hosts=[f"{netns.PREFIX}{i}" for i in range(args.ranks)],
+                        addresses=[netns.address(i) for i in range(args.ranks)])
+    links_text = (f"shaped links (netns) {args.netns_rate} / x{_fmt_list(link)}" if args.netns
+                  else f"link x{_fmt_list(link)}")
     print(f"e2e: {len(names)} strategies on {args.ranks} ranks, {args.model}/{args.dataset}, "
-          f"compute x{_fmt_list(compute)}, link x{_fmt_list(link)}, target {args.target_accuracy:g}, "
+          f"compute x{_fmt_list(compute)}, {links_text}, target {args.target_accuracy:g}, "
           f"budget {args.max_seconds:g} s each", flush=True)
-    results = []
-    for name in names:
-        run_dir = os.path.join(out, name)
-        t0 = time.monotonic()
-        r = run_strategy(args, name, run_dir, compute, link, timeout)
-        results.append(r)
-        if r["status"] == "ok":
-            ttt = r.get("time_to_target_s")
-            print(f"  {name:10s} time to target {'missed' if ttt is None else f'{ttt:.2f} s'}, "
-                  f"final accuracy {r['final_accuracy']:.4f} ({time.monotonic() - t0:.0f} s "
-                  f"with start-up)", flush=True)
-        else:
-            print(f"  {name:10s} {r['status'].upper()}: {r['error']}", flush=True)
+    if args.netns:
+        print(f"     hosts ashl-h0..h{args.ranks - 1}, link rates {', '.join(rates)} "
+              "(tbf on both ends)", flush=True)
+    with _NetnsHosts(args.ranks, rates) if args.netns else _no_hosts() as (hosts, work):
+        results = []
+        for name in names:
+            run_dir = os.path.join(out, name)
+            train_dir = os.path.join(work, "runs", name) if work else None
+            t0 = time.monotonic()
+            r = run_strategy(args, name, run_dir, compute, link, timeout, hosts, train_dir)
+            if hosts is not None:
+                stray = hosts.stop_processes()
+                if stray:
+                    r["stray_pids_stopped"] = len(stray)
+            results.append(r)
+            if r["status"] == "ok":
+                ttt = r.get("time_to_target_s")
+                print(f"  {name:10s} time to target {'missed' if ttt is None else f'{ttt:.2f} s'}, "
+                      f"final accuracy {r['final_accuracy']:.4f} ({time.monotonic() - t0:.0f} s "
+                      f"with start-up)", flush=True)
+            else:
+                print(f"  {name:10s} {r['status'].upper()}: {r['error']}", flush=True)
 
     of = next((s for s in ASHL_FAMILY if s in names), None)
     exact, at_least = speedups(results, of) if of else ({}, {})
@@ -386,7 +540,7 @@ def run(args) -> int:
         json.dump(report, f, indent=1)
     md = table(results, args.target_accuracy, of, exact, at_least)
     scen = (f"{scenario['name']}: {args.ranks} ranks, compute x{_fmt_list(compute)}, "
-            f"link x{_fmt_list(link)}, {args.model}/{args.dataset}, seed {args.seed}")
+            f"{links_text}, {args.model}/{args.dataset}, seed {args.seed}")
     with open(stem + ".md", "w") as f:
         f.write(f"# ashl e2e ({scen})\n\n{md}\n")
     png = stem + ".png"
