@@ -42,3 +42,19 @@ def test_cli_prints_one_line_and_exits_2(tmp_path):
     missing = subprocess.run([sys.executable, "-m", "ashl.hostfile", str(tmp_path / "nope")],
                              capture_output=True, text=True)
     assert missing.returncode == 2 and "cannot read" in missing.stderr
+
+
+def test_bench_e2e_checks_its_hostfile_before_launching(tmp_path):
+    bad = tmp_path / "hosts"
+    bad.write_text("node1 slots=x\n")
+    proc = subprocess.run([sys.executable, "-m", "ashl.bench", "e2e", "--hostfile", str(bad)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"ashl.bench e2e: error: --hostfile '{bad}': {bad}:1: slots must be a whole number "
+        ">= 1, got 'x'"]
+    small = tmp_path / "small"
+    small.write_text("node1 slots=2\n")
+    proc = subprocess.run([sys.executable, "-m", "ashl.bench", "e2e", "--hostfile", str(small),
+                           "--ranks", "4"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "2 slots for --ranks 4" in proc.stderr

@@ -87,6 +87,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mpirun-args", default=DEFAULT_MPIRUN_ARGS,
                    help="extra launcher arguments (one string); with --netns the hosts' own "
                         "(-H, plm_rsh_agent, btl tcp, --bind-to none) replace the default")
+    p.add_argument("--hostfile", default=None,
+                   help="run the ranks on these hosts (Open MPI format, checked first; "
+                        "not with --netns)")
     p.add_argument("--netns", action="store_true",
                    help="real shaped links instead of emulated ones (root): one network-namespace "
                         "host per rank, rank i's link shaped to --netns-rate / its link slowdown; "
@@ -149,6 +152,8 @@ def train_command(args, strategy: str, run_dir: str, compute: Sequence[float],
     hosts, started on host 0, and no emulated link (the links are real)."""
     if hosts is None:
         launch = shlex.split(args.mpirun_args)
+        if args.hostfile is not None:
+            launch += ["--hostfile", args.hostfile]
     else:
         from .. import netns
         extra = "" if args.mpirun_args == DEFAULT_MPIRUN_ARGS else args.mpirun_args
@@ -471,6 +476,16 @@ def run(args) -> int:
         link, err = _factors("--link-slowdown", args.link_slowdown, args.ranks)
         if err:
             return _error(err)
+    if args.hostfile is not None:
+        from ..hostfile import HostfileError, parse_hostfile
+        if args.netns:
+            return _error(f"--hostfile {args.hostfile!r}: --netns makes its own hosts")
+        try:
+            slots = sum(h.slots for h in parse_hostfile(args.hostfile))
+        except HostfileError as exc:
+            return _error(f"--hostfile {args.hostfile!r}: {exc}")
+        if slots < args.ranks:
+            return _error(f"--hostfile {args.hostfile!r}: {slots} slots for --ranks {args.ranks}")
     timeout = args.timeout if args.timeout is not None else args.max_seconds + 120
     if not (math.isfinite(timeout) and timeout > 0):
         return _error(f"--timeout {timeout:g}: must be a finite number > 0")
