@@ -34,6 +34,8 @@ def one_job(strategy: str, ranks: int, rng: random.Random, out: Path, timeout: f
         rc, tail = proc.returncode, (proc.stdout + proc.stderr)[-2000:]
     except subprocess.TimeoutExpired:
         rc, tail = "timeout", ""
+    if rc != 0 and not tail.strip():
+        tail = f"(no output) command: {' '.join(cmd)}"
     return rc, time.monotonic() - t0, f"{strategy} compute={compute} link={link} budget={budget}s", tail
 
 
