@@ -78,4 +78,45 @@ void check_same_shape(const TensorList& ref, const TensorList& other, const char
                                   std::to_string(ref.numels[i]));
 }
 
+void require_float(DType d, const char* what) {
+  if (!is_float(d))
+    throw std::invalid_argument(std::string(what) + ": unsupported dtype " + dtype_name(d) +
+                                " (expected float32, float16 or bfloat16)");
+}
+
+void require_same_dtype(const TensorList& ref, const TensorList& other, const char* ref_name,
+                        const char* other_name) {
+  if (ref.dtype != other.dtype)
+    throw std::invalid_argument(std::string(other_name) + " are " + dtype_name(other.dtype) +
+                                " but " + ref_name + " are " + dtype_name(ref.dtype));
+}
+
+void require_finite_weight(float w, const std::string& what) {
+  if (!(w - w == 0.0f)) throw std::invalid_argument(what + " is not finite");
+}
+
+void check_pack_delta(const TensorList& params, const TensorList& anchors,
+                      const TensorList* residuals, const std::vector<int64_t>& offsets,
+                      const Flat& out, float scale) {
+  check_same_shape(params, anchors, "params", "anchors");
+  require_same_dtype(params, anchors, "params", "anchors");
+  if (residuals) {
+    check_same_shape(params, *residuals, "params", "residuals");
+    require_same_dtype(params, *residuals, "params", "residuals");
+  }
+  check_layout(params, offsets, out.numel);
+  require_finite_weight(scale, "scale");
+  require_float(params.dtype, "params");
+  require_float(out.dtype, "out");
+}
+
+void check_unpack(const TensorList& params, const TensorList& anchors,
+                  const std::vector<int64_t>& offsets, const Flat& flat) {
+  check_same_shape(params, anchors, "params", "anchors");
+  require_same_dtype(params, anchors, "params", "anchors");
+  check_layout(params, offsets, flat.numel);
+  require_float(params.dtype, "params");
+  require_float(flat.dtype, "flat");
+}
+
 }  // namespace ashl

@@ -68,18 +68,6 @@ bool any_nonfinite(const TensorList& l) {
   return bad != 0;
 }
 
-
-void require_same_dtype(const TensorList& ref, const TensorList& other, const char* ref_name,
-                        const char* other_name) {
-  if (ref.dtype != other.dtype)
-    throw std::invalid_argument(std::string(other_name) + " are " + dtype_name(other.dtype) +
-                                " but " + ref_name + " are " + dtype_name(ref.dtype));
-}
-
-void require_finite_weight(float w, const char* what) {
-  if (!(w - w == 0.0f)) throw std::invalid_argument(std::string(what) + " is not finite");
-}
-
 // acc (=|+=) sum_i w[i] * x[i] for a group of 1 to 4 inputs, summed left to
 // right exactly as one-input-at-a-time would (same result, fewer passes).
 template <int G, class I>
@@ -116,14 +104,7 @@ void accumulate_group(float* acc, const I* const* x, const float* w, size_t g, b
 
 void pack_delta(const TensorList& params, const TensorList& anchors, const TensorList* residuals,
                 const std::vector<int64_t>& offsets, Flat out, float scale) {
-  check_same_shape(params, anchors, "params", "anchors");
-  require_same_dtype(params, anchors, "params", "anchors");
-  if (residuals) {
-    check_same_shape(params, *residuals, "params", "residuals");
-    require_same_dtype(params, *residuals, "params", "residuals");
-  }
-  check_layout(params, offsets, out.numel);
-  require_finite_weight(scale, "scale");
+  check_pack_delta(params, anchors, residuals, offsets, out, scale);
   dispatch_float(params.dtype, "params", [&](auto ptag) {
     using P = decltype(ptag);
     dispatch_float(out.dtype, "out", [&](auto ftag) {
@@ -160,9 +141,7 @@ namespace {
 template <bool kAdd>
 void unpack(const TensorList& params, const TensorList& anchors,
             const std::vector<int64_t>& offsets, Flat flat) {
-  check_same_shape(params, anchors, "params", "anchors");
-  require_same_dtype(params, anchors, "params", "anchors");
-  check_layout(params, offsets, flat.numel);
+  check_unpack(params, anchors, offsets, flat);
   const bool stream = total(params.numels) * dtype_size(params.dtype) >= kStreamBytes;
   dispatch_float(params.dtype, "params", [&](auto ptag) {
     using P = decltype(ptag);
@@ -297,7 +276,7 @@ void weighted_sum(const TensorList& out, const std::vector<TensorList>& inputs,
     if (inputs[k].dtype != inputs[0].dtype)
       throw std::invalid_argument(name + " is " + dtype_name(inputs[k].dtype) +
                                   " but inputs[0] is " + dtype_name(inputs[0].dtype));
-    require_finite_weight(weights[k], ("weights[" + std::to_string(k) + "]").c_str());
+    require_finite_weight(weights[k], "weights[" + std::to_string(k) + "]");
   }
   if (inputs.empty()) {
     check_same_shape(out, out, "out", "out");

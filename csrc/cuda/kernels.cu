@@ -12,23 +12,6 @@ using namespace detail;
 
 // ---- validation and dispatch (same messages as the CPU back end) -----------
 
-void require_float(DType d, const char* what) {
-  if (!is_float(d))
-    throw std::invalid_argument(std::string(what) + ": unsupported dtype " + dtype_name(d) +
-                                " (expected float32, float16 or bfloat16)");
-}
-
-void require_same_dtype(const TensorList& ref, const TensorList& other, const char* ref_name,
-                        const char* other_name) {
-  if (ref.dtype != other.dtype)
-    throw std::invalid_argument(std::string(other_name) + " are " + dtype_name(other.dtype) +
-                                " but " + ref_name + " are " + dtype_name(ref.dtype));
-}
-
-void require_finite_weight(float w, const std::string& what) {
-  if (!(w - w == 0.0f)) throw std::invalid_argument(what + " is not finite");
-}
-
 int32_t* require_scratch(const CudaContext& ctx, const char* what) {
   if (ctx.scratch == nullptr)
     throw std::invalid_argument(std::string(what) + ": CudaContext.scratch is null");
@@ -289,16 +272,7 @@ bool available() {
 
 void pack_delta(const TensorList& params, const TensorList& anchors, const TensorList* residuals,
                 const std::vector<int64_t>& offsets, Flat out, float scale, CudaContext ctx) {
-  check_same_shape(params, anchors, "params", "anchors");
-  require_same_dtype(params, anchors, "params", "anchors");
-  if (residuals) {
-    check_same_shape(params, *residuals, "params", "residuals");
-    require_same_dtype(params, *residuals, "params", "residuals");
-  }
-  check_layout(params, offsets, out.numel);
-  require_finite_weight(scale, "scale");
-  require_float(params.dtype, "params");
-  require_float(out.dtype, "out");
+  check_pack_delta(params, anchors, residuals, offsets, out, scale);
   if (total(params.numels) == 0) return;
   // Roles: 0 out, 1 params, 2 anchors, 3 residuals. Without residuals three
   // roles, so more tensors fit in one launch.
@@ -329,11 +303,7 @@ namespace {
 template <bool kAdd>
 void unpack(const TensorList& params, const TensorList& anchors,
             const std::vector<int64_t>& offsets, Flat flat, CudaContext ctx, const char* what) {
-  check_same_shape(params, anchors, "params", "anchors");
-  require_same_dtype(params, anchors, "params", "anchors");
-  check_layout(params, offsets, flat.numel);
-  require_float(params.dtype, "params");
-  require_float(flat.dtype, "flat");
+  check_unpack(params, anchors, offsets, flat);
   Work<3> w(params.numels);
   w.set(0, flat, offsets);
   w.set(1, params);

@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 namespace ashl {
@@ -51,6 +52,16 @@ void check_layout(const TensorList& shape, const std::vector<int64_t>& offsets, 
 // Throws std::invalid_argument unless `other` has the same count and numels as `ref`.
 void check_same_shape(const TensorList& ref, const TensorList& other, const char* ref_name,
                       const char* other_name);
+void require_float(DType d, const char* what);
+void require_same_dtype(const TensorList& ref, const TensorList& other, const char* ref_name,
+                        const char* other_name);
+void require_finite_weight(float w, const std::string& what);
+// Everything both back ends check before pack_delta / unpack_assign / unpack_add.
+void check_pack_delta(const TensorList& params, const TensorList& anchors,
+                      const TensorList* residuals, const std::vector<int64_t>& offsets,
+                      const Flat& out, float scale);
+void check_unpack(const TensorList& params, const TensorList& anchors,
+                  const std::vector<int64_t>& offsets, const Flat& flat);
 
 namespace cpu {
 // out[offsets[i] + j] = scale * (params[i][j] - anchors[i][j]) (+ residuals[i][j])
