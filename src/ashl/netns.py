@@ -21,6 +21,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -223,7 +224,9 @@ class Hosts:
 
     def command(self, i: int, argv) -> list[str]:
         """The command line that runs argv on host i (hostexec quotes like ssh)."""
-        env = [f"ASHL_HOSTS_TMP={self.tmp_base}"] if self.tmp_base else []
+        env = []
+        if self.tmp_base:
+            env = [f"ASHL_HOSTS_TMP={self.tmp_base}", f"ASHL_HOSTS_KEEP={':'.join(_keep_paths())}"]
         return ["env", *env, str(hostexec_path()), self.names[i], shlex.join(map(str, argv))]
 
     def pids(self) -> list[int]:
@@ -295,3 +298,20 @@ def mpirun_args(hosts: Hosts, slots: int = 1, hostfile_path: Optional[str] = Non
             "--mca", "btl_tcp_if_include", SUBNET,
             "--mca", "oob_tcp_if_include", SUBNET,
             "--bind-to", "none"]
+
+
+def _keep_paths() -> list[str]:
+    """What a host with a private /tmp must still see if it lives under /tmp: this checkout
+    (or installed package), the Python environment, and the working directory."""
+    import ashl
+    package = os.path.dirname(os.path.dirname(os.path.abspath(ashl.__file__)))
+    candidates = [os.path.dirname(package) if package.endswith("/src") else package,
+                  sys.prefix, os.getcwd()]
+    keep = []
+    for path in candidates:
+        parts = os.path.realpath(path).split(os.sep)
+        if len(parts) > 2 and parts[1] == "tmp":
+            top = os.sep.join(parts[:3])   # /tmp/<entry>: bind the whole top-level entry
+            if top not in keep:
+                keep.append(top)
+    return keep
