@@ -23,7 +23,8 @@ def skip_reason():
 
 
 def mpi_env():
-    env = dict(os.environ)
+    from ashl.launch_env import launch_env  # not an MPI job's own launch variables
+    env = launch_env(os.environ)
     env.update({
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")])),
         "OMPI_ALLOW_RUN_AS_ROOT": "1",

@@ -37,6 +37,7 @@ import time
 from typing import Optional, Sequence
 
 from ..emulation import DEFAULT_LINK
+from ..launch_env import launch_env
 from ..strategies import STRATEGIES
 
 # The order of the comparison; only those in STRATEGIES run by default.
@@ -133,7 +134,7 @@ def _fmt_list(values: Sequence[float]) -> str:
 
 
 def _mpi_env() -> dict:
-    env = dict(os.environ)
+    env = launch_env(os.environ)   # not the launch variables of a job we may run inside
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
     env.setdefault("OMPI_MCA_btl_vader_single_copy_mechanism", "none")
