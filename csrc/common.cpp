@@ -119,4 +119,19 @@ void check_unpack(const TensorList& params, const TensorList& anchors,
   require_float(flat.dtype, "flat");
 }
 
+void check_weighted_sum(const TensorList& out, const std::vector<TensorList>& inputs,
+                        const std::vector<float>& weights) {
+  if (inputs.size() != weights.size())
+    throw std::invalid_argument(std::to_string(inputs.size()) + " inputs but " +
+                                std::to_string(weights.size()) + " weights");
+  for (size_t k = 0; k < inputs.size(); ++k) {
+    const std::string name = "inputs[" + std::to_string(k) + "]";
+    check_same_shape(out, inputs[k], "out", name.c_str());
+    if (inputs[k].dtype != inputs[0].dtype)
+      throw std::invalid_argument(name + " is " + dtype_name(inputs[k].dtype) +
+                                  " but inputs[0] is " + dtype_name(inputs[0].dtype));
+    require_finite_weight(weights[k], "weights[" + std::to_string(k) + "]");
+  }
+}
+
 }  // namespace ashl

@@ -267,17 +267,7 @@ bool merge_sparse(Flat dst, const void* indices, DType index_dtype, const void* 
 
 void weighted_sum(const TensorList& out, const std::vector<TensorList>& inputs,
                   const std::vector<float>& weights) {
-  if (inputs.size() != weights.size())
-    throw std::invalid_argument(std::to_string(inputs.size()) + " inputs but " +
-                                std::to_string(weights.size()) + " weights");
-  for (size_t k = 0; k < inputs.size(); ++k) {
-    const std::string name = "inputs[" + std::to_string(k) + "]";
-    check_same_shape(out, inputs[k], "out", name.c_str());
-    if (inputs[k].dtype != inputs[0].dtype)
-      throw std::invalid_argument(name + " is " + dtype_name(inputs[k].dtype) +
-                                  " but inputs[0] is " + dtype_name(inputs[0].dtype));
-    require_finite_weight(weights[k], "weights[" + std::to_string(k) + "]");
-  }
+  check_weighted_sum(out, inputs, weights);
   if (inputs.empty()) {
     check_same_shape(out, out, "out", "out");
     dispatch_float(out.dtype, "out", [&](auto otag) {

@@ -62,6 +62,8 @@ void check_pack_delta(const TensorList& params, const TensorList& anchors,
                       const Flat& out, float scale);
 void check_unpack(const TensorList& params, const TensorList& anchors,
                   const std::vector<int64_t>& offsets, const Flat& flat);
+void check_weighted_sum(const TensorList& out, const std::vector<TensorList>& inputs,
+                        const std::vector<float>& weights);
 
 namespace cpu {
 // out[offsets[i] + j] = scale * (params[i][j] - anchors[i][j]) (+ residuals[i][j])
