@@ -4,7 +4,7 @@
     mpirun -np 4 --oversubscribe --bind-to none python examples/train_digits.py out/digits.json
 
 Options: --strategy (ashl, ashl-sync, bsp, localsgd, ssp, asp, adsp), --target-accuracy, --max-seconds, --max-commits,
---checkpoint PATH (saved every epoch), --resume PATH. Rank 0 prints a summary and writes
+--compression (none, fp16, topk:RATIO), --checkpoint PATH (saved every epoch), --resume PATH. Rank 0 prints a summary and writes
 every rank's result, the plan and the coordinator's log to the JSON file.
 """
 import argparse
@@ -31,7 +31,8 @@ parser.add_argument("--target-accuracy", type=float, default=0.9)
 parser.add_argument("--max-seconds", type=float, default=60)
 parser.add_argument("--switch-loss", type=float, default=0.3)
 parser.add_argument("--ahl-max-commits", type=int, default=None)
-parser.add_argument("--topk", type=float, default=None, help="force this SHL top-k ratio")
+parser.add_argument("--compression", default=None,
+                    help="force a compressor for every commit: none, fp16 or topk:RATIO")
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--max-commits", type=int, default=None)
 parser.add_argument("--checkpoint", default=None, help="save here after every epoch")
@@ -63,7 +64,12 @@ def accuracy() -> float:
 stages = StageConfig(switch_loss=args.switch_loss, target_accuracy=args.target_accuracy,
                      max_seconds=args.max_seconds, ahl_max_commits=args.ahl_max_commits,
                      max_commits=args.max_commits)
-compression = ashl.Compression.topk(args.topk) if args.topk else None
+if args.compression is None:
+    compression = None                      # the plan's: dense in AHL, top-k in SHL
+elif args.compression.startswith("topk:"):
+    compression = ashl.Compression.topk(float(args.compression[5:]))
+else:
+    compression = getattr(ashl.Compression, args.compression)
 opt = ashl.DistributedOptimizer(opt, model=model, sampler=sampler, strategy=args.strategy,
                                 compression=compression, stage_config=stages,
                                 evaluate=accuracy, eval_every_s=0.5, profile_steps=5)
@@ -94,11 +100,11 @@ result = {"rank": hvd.rank(), "accuracy": final, "stages": stages_seen,
           "resumed_accuracy": resumed_accuracy,
           "seconds": time.time() - start, "counters": opt.counters(),
           "plan": opt.plan.to_dict() if opt.plan else None,
-          # ashl-sync: every rank's own stage machine (identical on all ranks)
-          "transitions": getattr(opt.strategy, "transitions", None)}
+          # the stage changes, where this rank sees the stage machine
+          "transitions": opt.strategy.transitions}
 results = MPI.COMM_WORLD.gather(result, root=0)
 if hvd.rank() == 0:
-    events = [e.to_dict() for e in opt.strategy.mc.events()] if hasattr(opt.strategy, "mc") else []
+    events = opt.strategy.transitions
     json.dump({"ranks": results, "events": events}, open(args.out, "w"), indent=1, default=str)
     print(f"{args.strategy}: {len(results)} ranks, test accuracy {final:.4f} after "
           f"{result['seconds']:.1f} s, stages {' -> '.join(stages_seen)}")
@@ -112,5 +118,5 @@ if hvd.rank() == 0:
         print(f"  rank {r['rank']}: {c['local_steps']} local steps, {c['commits']} commits, "
               f"compute {c['compute_s']:.2f} s, communication {c['comm_s']:.2f} s")
     for e in events:
-        print(f"  [{e['at_s']:7.2f} s] {e['kind']}: {e['reason']}")
+        print(f"  [{e['at_s']:7.2f} s] {e['from']} -> {e['to']}: {e['reason']}")
     print(f"  details: {args.out}")

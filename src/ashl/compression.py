@@ -11,13 +11,15 @@ whose `buffer` is exactly the bytes `protocol.send` puts on the wire:
                               as int32 indices in ascending order + fp32 values
 
 Error feedback: what a commit does not send is kept in a `Residual` and added to the next
-delta. The residual's per-parameter views go straight into pack_delta, which folds the
-residual in while packing; `compress(delta, residual)` then stores `delta - sent`:
+delta. A commit calls one method, `pack`, that folds the residual in while packing the
+model's delta (one fused kernel) and leaves `delta - sent` in the residual:
 
-    residual = Residual(params)                                    # once
-    kernels.pack_delta(params, anchors, flat, residuals=residual.views)  # flat = delta + residual
-    payload = compressor.compress(flat, residual)                  # residual = flat - sent
+    residual = Residual(params)                                     # once
+    payload = compressor.pack(params, anchors, residual, scratch, out)
     protocol.send(comm, server, header_for(payload), payload.buffer)
+
+The dense fp32 compressor packs straight into the wire buffer; the others pack into the
+fp32 `scratch` buffer and `compress` from there.
 
 Server side: `Payload.from_message(header, raw).merge_into(global_flat, weight)`.
 """
@@ -32,7 +34,7 @@ from . import kernels
 from .protocol import INDEX_ITEMSIZE, DType, Header, Kind
 
 __all__ = ["Payload", "Residual", "Compressor", "NoneCompressor", "FP16Compressor",
-           "TopKCompressor", "Compression"]
+           "TopKCompressor", "Compression", "check_compression"]
 
 
 class Payload:
@@ -172,6 +174,14 @@ class Compressor:
     def max_nbytes(self, numel: int) -> int:
         raise NotImplementedError
 
+    def pack(self, params: Sequence[torch.Tensor], anchors: Sequence[torch.Tensor],
+             residual: Residual | None, scratch: torch.Tensor, out: torch.Tensor) -> Payload:
+        """The commit's payload: ``delta = params - anchors (+ residual)`` packed by one fused
+        kernel into `scratch` (flat fp32), then compressed into `out`."""
+        kernels.pack_delta(params, anchors, scratch,
+                           residuals=None if residual is None else residual.views)
+        return self.compress(scratch[:kernels.flat_numel(params)], residual, out)
+
     def compress(self, delta: torch.Tensor, residual: Residual | None = None,
                  out: torch.Tensor | None = None) -> Payload:
         raise NotImplementedError
@@ -191,6 +201,16 @@ class NoneCompressor(Compressor):
 
     def max_nbytes(self, numel: int) -> int:
         return 4 * numel
+
+    def pack(self, params, anchors, residual, scratch, out) -> Payload:
+        """Straight into the wire buffer: no scratch pass."""
+        numel = kernels.flat_numel(params)
+        buf = _byte_buffer(out, 4 * numel)
+        kernels.pack_delta(params, anchors, buf.view(torch.float32),
+                           residuals=None if residual is None else residual.views)
+        if residual is not None:
+            residual.zero_()
+        return Payload(Kind.DENSE_DELTA, DType.FLOAT32, numel, 0, buf)
 
     def compress(self, delta, residual=None, out=None) -> Payload:
         delta = _check_delta(delta)
@@ -278,3 +298,23 @@ class Compression:
     @staticmethod
     def topk(ratio: float, dense_when_cheaper: bool = True) -> TopKCompressor:
         return TopKCompressor(ratio, dense_when_cheaper)
+
+
+def check_compression(compression, strategy: str, accepted: Sequence[str]) -> "Compressor | None":
+    """The user's compressor as ashl's (Horovod's ``hvd.Compression.none``/``fp16`` are
+    mapped), or a ValueError naming it, and what `strategy` accepts (kinds "none", "fp16",
+    "topk")."""
+    if compression is None:
+        return None
+    name = getattr(compression, "name", None) or getattr(compression, "__name__", "")
+    if not isinstance(compression, Compressor):
+        mapped = {"nonecompressor": Compression.none, "fp16compressor": Compression.fp16}
+        compression = mapped.get(str(name).lower())
+        if compression is None:
+            raise ValueError(f"compression={name or compression!r}: not a compressor ashl knows "
+                             "(use ashl.Compression.none, .fp16 or .topk(ratio))")
+    kind = "topk" if compression.name.startswith("topk") else compression.name
+    if kind not in accepted:
+        raise ValueError(f"strategy {strategy!r} cannot send with compression="
+                         f"{compression!r} (it takes {', '.join(accepted) or 'none'})")
+    return compression

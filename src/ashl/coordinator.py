@@ -5,10 +5,10 @@ one `CommitReport` per commit and answers with a `Directive` (plan version, stag
 flag, and the new plan when the rank's copy is stale). It re-plans when a rank's measured
 speed drifts from what the plan assumed, and it owns the StageMachine.
 
-`MPICoordinator` moves those objects over mpi4py on a duplicate of COMM_WORLD: gather
-profiles, broadcast the plan, and answer reports from a service thread on rank 0 (rank
-0's own reports are answered in-process). The parameter server can instead call
-`Coordinator.on_commit` itself and piggy-back the directive on its reply.
+`MPICoordinator` is the MPI edge at start-up, on a duplicate of COMM_WORLD: measure each
+rank's link, gather profiles, broadcast the plan. At run time nothing travels through it:
+the parameter server calls `Coordinator.on_commit` for each commit it receives and
+piggy-backs the directive on its reply (server.py).
 
 Drift rule (docs/PLANNER.md): per rank, the median of its last `window` reports is
 compared with the plan's assumption. A re-plan happens when some rank is off by more than
@@ -82,16 +82,6 @@ class Directive:
     reason: str = ""
     plan: Plan | None = None     # set when the reporting rank's plan is out of date
 
-    def to_wire(self) -> dict:
-        return {"plan_version": self.plan_version, "stage": self.stage.value, "stop": self.stop,
-                "reason": self.reason, "plan": None if self.plan is None else self.plan.to_json()}
-
-    @classmethod
-    def from_wire(cls, d: Mapping[str, Any]) -> "Directive":
-        return cls(plan_version=int(d["plan_version"]), stage=Stage(d["stage"]), stop=bool(d["stop"]),
-                   reason=d.get("reason", ""),
-                   plan=None if d.get("plan") is None else Plan.from_json(d["plan"]))
-
 
 @dataclass(frozen=True)
 class DriftConfig:
@@ -162,7 +152,6 @@ class Coordinator:
         self._links = [deque(maxlen=w) for _ in range(n_ranks)]   # (seconds, ratio)
         self._replanned_at = 0
         self._replanned_time = float("-inf")
-        self._max_epoch = 0
         self._seen_transitions = 0
 
     # --------------------------------------------------------------- state
@@ -190,8 +179,8 @@ class Coordinator:
             kind = "stop" if t.to_stage is Stage.DONE else "stage"
             self._log(kind, f"{t.from_stage.value} -> {t.to_stage.value}: {t.reason}")
         self._seen_transitions = len(self.machine.transitions)
-        if self.plan is not None and self.stage in (Stage.AHL, Stage.SHL):
-            self.machine.set_weights(self.plan.stage(self.stage.value).shares)
+        if self.plan is not None and self.stage.training:
+            self.machine.set_weights(self.plan.stage(self.stage).shares)
 
     def directive(self, rank_plan_version: int | None = None) -> Directive:
         version = self.plan.version if self.plan else 0
@@ -241,7 +230,6 @@ class Coordinator:
             self._steps[r].append(float(report.step_s))
         if _finite_positive(report.link_s) and _finite_positive(report.link_ratio):
             self._links[r].append((float(report.link_s), float(report.link_ratio)))
-        self._max_epoch = max(self._max_epoch, int(report.epoch))
         loss = report.loss if report.loss is not None and math.isfinite(report.loss) else None
         self.machine.commit(r, self.clock(), loss)
         self._sync_stage()
@@ -268,7 +256,7 @@ class Coordinator:
     def drifts(self) -> list[_Drift]:
         """Each rank's current deviation from the plan (ranks with enough reports)."""
         cfg, plan = self.drift_config, self.plan
-        stage = plan.stage(self.stage.value if self.stage in (Stage.AHL, Stage.SHL) else "AHL")
+        stage = plan.stage(self.stage.planned)
         out = []
         for r in range(self.n_ranks):
             p = plan.profiles[r]
@@ -314,7 +302,7 @@ class Coordinator:
         reason = ("drift: " + ", ".join(f"rank {d.rank} {d.what} {d.relative:+.0%}" for d in triggers)
                   + "; refreshed " + ", ".join(changed))
         self.plan = make_plan(profiles, self.planner_config, version=self.plan.version + 1,
-                              shares_from_epoch=self._max_epoch + 1, reason=reason)
+                              reason=reason)
         self._replanned_at = self.machine.commits
         self._replanned_time = self.clock()
         # Hysteresis: a refreshed rank's estimate is now the plan; judge it again only on
@@ -328,31 +316,27 @@ class Coordinator:
 
 # ------------------------------------------------------------------------- MPI
 
-_REPORT_TAG, _DIRECTIVE_TAG, _BYE_TAG = 7101, 7102, 7103
 _LINK_GO, _LINK_PUSH, _LINK_ACK, _LINK_REQ, _LINK_PULL = 7111, 7112, 7113, 7114, 7115
 
 
 class MPICoordinator:
-    """The coordinator over mpi4py. Every rank constructs one (collective).
+    """The coordinator's start-up over mpi4py. Every rank constructs one (collective).
 
     Typical use on every rank:
         mc = MPICoordinator()
         push, pull = mc.measure_link(payload_bytes)           # collective
         plan = mc.establish_plan(profile)                      # collective; all ranks equal
-        ... at each commit:  directive = mc.report(CommitReport(...))
+        ... the server feeds mc.coordinator (root) under mc.lock
         mc.close()                                             # collective
     """
 
     def __init__(self, comm: Any = None, root: int = 0, *, planner_config: PlannerConfig | None = None,
                  stage_config: StageConfig | None = None, drift_config: DriftConfig | None = None,
                  clock: Callable[[], float] = time.monotonic, poll_s: float = 5e-4):
-        try:
-            from mpi4py import MPI
-        except ImportError as exc:  # pragma: no cover - depends on the environment
-            raise RuntimeError("ashl's coordinator needs mpi4py (pip install mpi4py) "
-                               "and an MPI launch (mpirun, horovodrun, srun --mpi=pmix)") from exc
-        self._MPI = MPI
-        base = MPI.COMM_WORLD if comm is None else comm
+        if comm is None:
+            from mpi4py import MPI   # importing it initialises MPI: only when asked to
+            comm = MPI.COMM_WORLD
+        base = comm
         self.comm = base.Dup()        # our own tag space, separate from the server's traffic
         self.rank, self.size, self.root = self.comm.Get_rank(), self.comm.Get_size(), root
         if not 0 <= root < self.size:
@@ -361,11 +345,7 @@ class MPICoordinator:
         self.coordinator = (Coordinator(self.size, planner_config, stage_config, drift_config, clock)
                             if self.rank == root else None)
         self.plan: Plan | None = None
-        self.stage = Stage.PROFILE
         self._lock = threading.Lock()
-        self._serving = False
-        self._thread: threading.Thread | None = None
-        self._service_error: BaseException | None = None
         self._closed = False
 
     @property
@@ -374,7 +354,7 @@ class MPICoordinator:
 
     @property
     def lock(self) -> threading.Lock:
-        """Held while the root's Coordinator changes; share it with a server feeding it."""
+        """Held while the root's Coordinator changes; shared with the server feeding it."""
         return self._lock
 
     # ---------------------------------------------------------------- helpers
@@ -453,105 +433,22 @@ class MPICoordinator:
     def broadcast_plan(self, plan: Plan | None = None) -> Plan:
         """The root's plan on every rank (each rank parses the same JSON)."""
         text = plan.to_json() if self.is_root else None
-        text = self.comm.bcast(text, root=self.root)
-        self.plan = Plan.from_json(text)
-        self.stage = Stage.AHL
+        self.plan = Plan.from_json(self.comm.bcast(text, root=self.root))
         return self.plan
 
-    def establish_plan(self, profile: RankProfile, serve_reports: bool = True) -> Plan:
-        """Gather profiles, plan on the root, broadcast, start answering reports (collective).
-
-        With ``serve_reports=False`` (same on every rank) no report thread starts: a parameter
-        server that receives the commits feeds ``self.coordinator`` itself, under ``self.lock``.
-        """
-        self._serving = serve_reports
+    def establish_plan(self, profile: RankProfile) -> Plan:
+        """Gather profiles, plan on the root, broadcast (collective; all ranks equal)."""
         profiles = self.gather_profiles(profile)
         plan = None
         if self.is_root:
             with self._lock:
                 plan = self.coordinator.plan_from_profiles(profiles)
-        plan = self.broadcast_plan(plan)
-        if self.is_root:
-            self.stage = self.coordinator.stage
-            if self.size > 1 and serve_reports:
-                self._start_service()
-        return plan
-
-    # ---------------------------------------------------------------- commits
-    def report(self, report: CommitReport) -> Directive:
-        """Send this commit's report to the root; returns its directive."""
-        if report.rank != self.rank:
-            raise ValueError(f"rank {self.rank} cannot report for rank {report.rank}")
-        if self.is_root:
-            if self._service_error is not None:
-                raise RuntimeError("coordinator service thread failed") from self._service_error
-            with self._lock:
-                directive = self.coordinator.on_commit(report)
-        else:
-            self.comm.send(report.to_dict(), dest=self.root, tag=_REPORT_TAG)
-            directive = Directive.from_wire(self._poll_recv(self.root, _DIRECTIVE_TAG))
-        if directive.plan is not None:
-            self.plan = directive.plan
-        self.stage = directive.stage
-        return directive
-
-    def evaluation(self, loss: float | None = None, accuracy: float | None = None) -> Stage:
-        """Root only: feed an evaluation result to the stage machine."""
-        if not self.is_root:
-            raise RuntimeError("evaluation results go to the root's coordinator")
-        with self._lock:
-            self.stage = self.coordinator.on_evaluation(loss, accuracy)
-        return self.stage
-
-    def events(self) -> list[CoordinatorEvent]:
-        if not self.is_root:
-            return []
-        with self._lock:
-            return list(self.coordinator.events)
-
-    def _start_service(self) -> None:
-        MPI = self._MPI
-        if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
-            raise RuntimeError("the coordinator's service thread needs MPI_THREAD_MULTIPLE; "
-                               "initialise MPI with it (mpi4py's default)")
-        self._thread = threading.Thread(target=self._serve, name="ashl-coordinator", daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        MPI = self._MPI
-        status = MPI.Status()
-        pending = self.size - 1
-        while pending:
-            if not self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=status):
-                time.sleep(self.poll_s)
-                continue
-            source, tag = status.Get_source(), status.Get_tag()
-            message = self.comm.recv(source=source, tag=tag)
-            if tag == _BYE_TAG:
-                pending -= 1
-            elif tag == _REPORT_TAG:
-                try:
-                    with self._lock:
-                        directive = self.coordinator.on_commit(CommitReport.from_dict(message))
-                except Exception as exc:  # answer anyway, so the rank does not hang
-                    log.exception("bad commit report from rank %d", source)
-                    self._service_error = exc
-                    directive = Directive(plan_version=self.coordinator.plan.version,
-                                          stage=Stage.DONE, stop=True,
-                                          reason=f"coordinator error: {exc}")
-                self.comm.send(directive.to_wire(), dest=source, tag=_DIRECTIVE_TAG)
-            else:
-                log.warning("ignoring message with tag %d from rank %d", tag, source)
+        return self.broadcast_plan(plan)
 
     def close(self) -> None:
-        """Collective: stop the service, then wait for every rank."""
+        """Collective: wait for every rank, then free the communicator."""
         if self._closed:
             return
         self._closed = True
-        if self.is_root:
-            if self._thread is not None:
-                self._thread.join()
-        elif self.plan is not None and self.size > 1 and self._serving:
-            self.comm.send(None, dest=self.root, tag=_BYE_TAG)
         self.barrier()
         self.comm.Free()

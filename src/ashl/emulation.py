@@ -144,6 +144,18 @@ class Heterogeneity:
     def link_delay(self, nbytes: int) -> float:
         return 0.0 if self.link is None else self.link.delay(nbytes)
 
+    def depart(self, nbytes: int) -> None:
+        """An emulated slow link: a message leaves only after its transfer time."""
+        delay = self.link_delay(nbytes)
+        if delay > 0:
+            time.sleep(delay)
+
+    def arrive(self, sent_at: float, nbytes: int) -> None:
+        """An emulated slow link: a message sent at `sent_at` (time.monotonic, host-wide) is
+        not delivered before sent_at + its transfer time."""
+        if self.link is not None:
+            sleep_until(sent_at + self.link_delay(nbytes))
+
     @classmethod
     def for_rank(cls, rank: int, compute: Sequence[float] = (), link: Sequence[float] = (),
                  base: Link = DEFAULT_LINK) -> "Heterogeneity":

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Iterable, Mapping, Sequence
 
+from .stages import Stage
+
 __all__ = [
     "AHL",
     "SHL",
@@ -52,8 +54,9 @@ __all__ = [
     "validate_profiles",
 ]
 
-AHL = "AHL"
-SHL = "SHL"
+# Plans are keyed by the training stages' names (JSON keys "AHL", "SHL").
+AHL = Stage.AHL.value
+SHL = Stage.SHL.value
 STAGES = (AHL, SHL)
 WEIGHTINGS = ("data_share", "uniform", "fednova")
 ROUNDINGS = ("floor", "half_up", "half_even")
@@ -391,15 +394,14 @@ class Plan:
     config: PlannerConfig
     ahl: StagePlan
     shl: StagePlan
-    shares_from_epoch: int = 0           # data shares apply from this epoch on
     reason: str = ""
 
     @property
     def n_ranks(self) -> int:
         return len(self.profiles)
 
-    def stage(self, name: str) -> StagePlan:
-        name = getattr(name, "value", name)  # accept ashl.stages.Stage members
+    def stage(self, name: "Stage | str") -> StagePlan:
+        name = getattr(name, "value", name)   # a Stage member or its name
         if name == AHL:
             return self.ahl
         if name == SHL:
@@ -419,7 +421,6 @@ class Plan:
         return {
             "version": self.version,
             "reason": self.reason,
-            "shares_from_epoch": self.shares_from_epoch,
             "config": self.config.to_dict(),
             "profiles": [p.to_dict() for p in self.profiles],
             "stages": {AHL: self.ahl.to_dict(), SHL: self.shl.to_dict()},
@@ -433,7 +434,6 @@ class Plan:
         return cls(
             version=int(d["version"]),
             reason=d.get("reason", ""),
-            shares_from_epoch=int(d.get("shares_from_epoch", 0)),
             config=PlannerConfig.from_dict(d["config"]),
             profiles=tuple(RankProfile.from_dict(p, where=f"rank {i}")
                            for i, p in enumerate(d["profiles"])),
@@ -514,7 +514,7 @@ def plan_stage(profiles: Sequence[RankProfile], config: PlannerConfig, stage: st
 
 
 def make_plan(profiles: Iterable[RankProfile], config: PlannerConfig | None = None, *,
-              version: int = 1, shares_from_epoch: int = 0, reason: str = "") -> Plan:
+              version: int = 1, reason: str = "") -> Plan:
     """Plan both stages from per-rank profiles (index = rank)."""
     config = PlannerConfig() if config is None else config
     profiles = tuple(profiles)
@@ -523,7 +523,7 @@ def make_plan(profiles: Iterable[RankProfile], config: PlannerConfig | None = No
     ahl = plan_stage(profiles, config, AHL,
                      shares=shl.shares if config.share_source == "shl" else None)
     return Plan(version=version, profiles=profiles, config=config, ahl=ahl, shl=shl,
-                shares_from_epoch=shares_from_epoch, reason=reason)
+                reason=reason)
 
 
 def uniform_plan(n_ranks: int, local_steps: int, merge_weight: Fraction, *,

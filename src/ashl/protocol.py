@@ -12,17 +12,16 @@ Header (little-endian, see `_LAYOUT`): magic, version, kind, stage, flags, dtype
 SENDER), plan version, epoch, local steps, commit number, base version (the global model
 version a delta was computed against, or the version a reply carries), numel (elements the
 payload describes: the model size for deltas and model replies), nnz (pairs in a sparse
-payload), samples, and the rank's measurements (step_s, link_s, link_ratio, loss) plus the
-server's staleness wait (wait_s) so the coordinator gets its reports with each commit,
-and the send time (sent_at, the host-wide monotonic clock) from which an emulated slow link
+payload), samples, and the rank's measurements (step_s, link_s, link_ratio, loss) so the
+coordinator gets its reports with each commit, and the send time (sent_at, the host-wide monotonic clock) from which an emulated slow link
 delivers the message.
 
 Payload layouts:
   DENSE_DELTA, REPLY  numel values of `dtype`
   SPARSE_DELTA        nnz int32 indices (ascending), then nnz values of `dtype`
   PLAN                numel bytes of UTF-8 JSON (dtype UINT8), never pickled
-  PULL, STOP, REPORT  nothing (dtype NONE)
 A REPLY may also carry nothing (dtype NONE), e.g. the answer to a commit after DONE.
+The stage byte is ``ashl.stages.Stage.code``.
 
 Optional float measurements use NaN for "not measured" (CommitReport's None); infinities
 and negative durations are always rejected.
@@ -40,15 +39,17 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from .stages import Stage
+
 __all__ = [
     "MAGIC", "VERSION", "HEADER_SIZE", "MAX_MESSAGE_BYTES", "MAX_PLAN_BYTES", "ProtocolError",
-    "Kind", "StageCode", "DType", "Flag", "Header", "encode", "decode", "validate",
+    "Kind", "DType", "Flag", "Header", "encode", "decode", "validate",
     "MessageBuffer", "Message", "send", "recv", "dense_view", "sparse_views",
     "max_payload_nbytes", "json_payload", "TAG_TO_SERVER", "TAG_TO_RANK",
 ]
 
 MAGIC = b"ASHL"
-VERSION = 1
+VERSION = 2                # 2: no wait_s field, Stage codes from ashl.stages
 HEADER_SIZE = 128          # a multiple of 64: payload views after it stay aligned
 MAX_MESSAGE_BYTES = 2**31 - 1   # MPI counts are C ints; one message carries at most this
 MAX_PLAN_BYTES = 1 << 20   # a plan is a few KiB of JSON; anything near this is garbage
@@ -79,7 +80,6 @@ _LAYOUT = struct.Struct(
     "d"     # link_s
     "d"     # link_ratio
     "d"     # loss
-    "d"     # wait_s
     "d"     # sent_at
 )
 _PAD = HEADER_SIZE - _LAYOUT.size
@@ -100,19 +100,8 @@ class ProtocolError(ValueError):
 class Kind(enum.IntEnum):
     DENSE_DELTA = 1    # rank -> server: a full delta
     SPARSE_DELTA = 2   # rank -> server: top-k indices + values
-    PULL = 3           # rank -> server: send me the global model (no delta)
     REPLY = 4          # server -> rank: directive (+ the global model)
-    STOP = 5           # either way: this side is leaving
-    REPORT = 6         # rank -> server: measurements only (profiling)
     PLAN = 7           # server -> rank: a new plan as JSON bytes
-
-
-class StageCode(enum.IntEnum):
-    """Stages on the wire; names match ashl.stages.Stage values (StageCode[stage.value])."""
-    PROFILE = 0
-    AHL = 1
-    SHL = 2
-    DONE = 3
 
 
 class DType(enum.IntEnum):
@@ -155,7 +144,6 @@ class Flag(enum.IntFlag):
 
 
 _ALL_FLAGS = int(Flag.ACCEPTED | Flag.STOP | Flag.PLAN_FOLLOWS | Flag.FINAL)
-_NO_PAYLOAD = (Kind.PULL, Kind.STOP, Kind.REPORT)
 _INT32 = (-(2**31), 2**31 - 1)
 _INT64 = (-(2**63), 2**63 - 1)
 
@@ -164,7 +152,7 @@ _INT64 = (-(2**63), 2**63 - 1)
 class Header:
     kind: Kind
     rank: int
-    stage: StageCode = StageCode.PROFILE
+    stage: Stage = Stage.PROFILE
     commit: int = 0
     base_version: int = 0
     plan_version: int = 0
@@ -179,7 +167,6 @@ class Header:
     link_s: float = math.nan
     link_ratio: float = 1.0
     loss: float = math.nan
-    wait_s: float = 0.0
     sent_at: float = 0.0   # sender's host-wide monotonic clock; emulated links deliver from it
 
     @property
@@ -246,7 +233,7 @@ def validate(h: Header, world_size: int | None = None, model_numel: int | None =
     except (ValueError, TypeError):
         raise ProtocolError("kind", f"unknown message kind {h.kind!r}") from None
     try:
-        stage = StageCode(h.stage)
+        stage = h.stage if isinstance(h.stage, Stage) else Stage.from_code(h.stage)
     except (ValueError, TypeError):
         raise ProtocolError("stage", f"unknown stage code {h.stage!r}") from None
     try:
@@ -267,7 +254,6 @@ def validate(h: Header, world_size: int | None = None, model_numel: int | None =
     h = h.replace(**{k: math.nan for k in ("step_s", "link_s", "loss") if getattr(h, k) is None})
     for name in ("step_s", "link_s"):
         _duration(h, name, optional=True)
-    _duration(h, "wait_s", optional=False)
     _duration(h, "sent_at", optional=False)
     ratio = _real(h, "link_ratio")
     if not math.isfinite(ratio) or not 0.0 < ratio <= 1.0:
@@ -295,7 +281,7 @@ def validate(h: Header, world_size: int | None = None, model_numel: int | None =
             raise ProtocolError("numel", f"a plan of {h.numel} bytes exceeds {MAX_PLAN_BYTES}")
         if h.nnz != 0:
             raise ProtocolError("nnz", f"must be 0 for PLAN, got {h.nnz}")
-    else:  # PULL, STOP, REPORT, and a REPLY without a model
+    else:  # a REPLY without a model
         if dtype != DType.NONE:
             raise ProtocolError("dtype", f"{kind.name} carries no payload, got {dtype.name}")
         if h.numel != 0 or h.nnz != 0:
@@ -304,7 +290,7 @@ def validate(h: Header, world_size: int | None = None, model_numel: int | None =
         raise ProtocolError("numel", f"a {h.nbytes}-byte message exceeds the MPI limit {MAX_MESSAGE_BYTES}")
 
     return h.replace(kind=kind, stage=stage, dtype=dtype, flags=Flag(int(h.flags)),
-                     **{k: float(getattr(h, k)) for k in ("step_s", "link_s", "link_ratio", "loss", "wait_s", "sent_at")},
+                     **{k: float(getattr(h, k)) for k in ("step_s", "link_s", "link_ratio", "loss", "sent_at")},
                      **{k: int(getattr(h, k)) for k in ("rank", "plan_version", "epoch", "local_steps",
                                                         "commit", "base_version", "numel", "nnz", "samples")})
 
@@ -314,10 +300,10 @@ def validate(h: Header, world_size: int | None = None, model_numel: int | None =
 def encode(h: Header, out=None) -> bytes | None:
     """The 128 header bytes (validated first). With `out` (a writable buffer), writes into it."""
     h = validate(h)
-    fields = (MAGIC, VERSION, int(h.kind), int(h.stage), int(h.flags), int(h.dtype), 0,
+    fields = (MAGIC, VERSION, int(h.kind), h.stage.code, int(h.flags), int(h.dtype), 0,
               h.rank, h.plan_version, h.epoch, h.local_steps, h.commit, h.base_version, h.numel,
               h.nnz, h.samples, float(h.step_s), float(h.link_s), float(h.link_ratio),
-              float(h.loss), float(h.wait_s), float(h.sent_at))
+              float(h.loss), float(h.sent_at))
     if out is None:
         return _LAYOUT.pack(*fields) + bytes(_PAD)
     mv = memoryview(out).cast("B")
@@ -345,7 +331,7 @@ def decode(data, nbytes: int | None = None, *, world_size: int, model_numel: int
                             + (" (truncated)" if got < HEADER_SIZE else ""))
     (magic, version, kind, stage, flags, dtype, reserved, rank, plan_version, epoch, local_steps,
      commit, base_version, numel, nnz, samples, step_s, link_s, link_ratio, loss,
-     wait_s, sent_at) = _LAYOUT.unpack_from(mv, 0)
+     sent_at) = _LAYOUT.unpack_from(mv, 0)
     if magic != MAGIC:
         raise ProtocolError("magic", f"expected {MAGIC!r}, got {bytes(magic)!r}")
     if version != VERSION:
@@ -355,7 +341,7 @@ def decode(data, nbytes: int | None = None, *, world_size: int, model_numel: int
     h = Header(kind=kind, rank=rank, stage=stage, commit=commit, base_version=base_version,
                plan_version=plan_version, epoch=epoch, local_steps=local_steps, dtype=dtype,
                numel=numel, nnz=nnz, flags=flags, samples=samples, step_s=step_s, link_s=link_s,
-               link_ratio=link_ratio, loss=loss, wait_s=wait_s, sent_at=sent_at)
+               link_ratio=link_ratio, loss=loss, sent_at=sent_at)
     return validate(h, world_size=world_size, model_numel=model_numel)
 
 

@@ -4,6 +4,7 @@
 commit and says which replies go out now. ``ServerThread`` is the MPI edge: it receives
 commits on ``protocol.TAG_TO_SERVER`` (every rank, the host rank included, sends its commits
 the same way), hands them to the server and sends the replies on ``protocol.TAG_TO_RANK``.
+The rank's half of the exchange is ``client.ServerClient``.
 
 Merge: ``global += merge_weight[rank] * staleness(version - base_version) * delta`` with the
 fused kernels (dense or bounds-checked sparse), all or nothing: a delta holding NaN/Inf is
@@ -28,7 +29,7 @@ from . import protocol
 from .compression import Payload
 from .coordinator import CommitReport, Coordinator, Directive
 from .planner import Plan
-from .protocol import Flag, Header, Kind, StageCode
+from .protocol import Flag, Header, Kind
 from .staleness import Staleness, parse_staleness
 from .stages import Stage
 
@@ -57,7 +58,7 @@ class ServerStats:
 
 
 @dataclass
-class Reply:
+class OutgoingReply:
     dest: int
     header: Header
     payload: Optional[torch.Tensor]   # the global model (or its downlink copy), or None
@@ -106,21 +107,15 @@ class ParameterServer:
 
     def weight(self, rank: int, stage: Stage) -> float:
         plan = self.coordinator.plan
-        name = stage.value if stage in (Stage.AHL, Stage.SHL) else Stage.AHL.value
-        return float(plan.stage(name).merge_weights[rank]) if plan else 1.0 / self.n_ranks
+        return float(plan.stage(stage.planned).merge_weights[rank]) if plan else 1.0 / self.n_ranks
 
     # ------------------------------------------------------------------ commits
-    def handle(self, header: Header, payload: Optional[torch.Tensor]) -> list[Reply]:
+    def handle(self, header: Header, payload: Optional[torch.Tensor]) -> list[OutgoingReply]:
         """Apply one validated message; returns the replies to send now."""
         rank = header.rank
-        if header.kind == Kind.PULL:
-            return [self._reply(rank, header, accepted=True)]
-        if header.kind == Kind.STOP:
-            self._leave(rank, "left")
-            return self._release()
         if header.kind not in (Kind.DENSE_DELTA, Kind.SPARSE_DELTA):
             raise protocol.ProtocolError("kind", f"the server does not take {Kind(header.kind).name}")
-        stage = Stage(StageCode(header.stage).name)
+        stage = header.stage
         staleness = max(0, self.version - header.base_version)
         self.stats.max_staleness = max(self.stats.max_staleness, staleness)
         self.stats.bytes_received += protocol.HEADER_SIZE + header.payload_nbytes
@@ -148,13 +143,13 @@ class ParameterServer:
             self.stats.waits += 1
         return replies + self._release()
 
-    def stop(self, reason: str) -> list[Reply]:
+    def stop(self, reason: str) -> list[OutgoingReply]:
         """End the run (e.g. an evaluation reached its target): release every waiting rank."""
         if not self.stopped:
             self.coordinator.stop(reason)
         return self._release()
 
-    def tick(self) -> list[Reply]:
+    def tick(self) -> list[OutgoingReply]:
         """Let time-based stops happen while no commit arrives; release whoever it frees."""
         self.coordinator.tick()
         return self._release() if self.stopped else []
@@ -163,7 +158,7 @@ class ParameterServer:
         return (stage == Stage.SHL and directive.stage == Stage.SHL
                 and self.shl_commits[rank] - self.slowest_shl() > self.bound)
 
-    def _release(self) -> list[Reply]:
+    def _release(self) -> list[OutgoingReply]:
         out = []
         for rank, header in list(self.waiting.items()):
             if self.stopped or self.shl_commits[rank] - self.slowest_shl() <= self.bound:
@@ -184,7 +179,7 @@ class ParameterServer:
                             samples=h.samples, local_steps=h.local_steps, epoch=h.epoch)
 
     def _reply(self, rank: int, asked: Header, accepted: bool,
-               directive: Optional[Directive] = None) -> Reply:
+               directive: Optional[Directive] = None) -> OutgoingReply:
         if directive is None:
             directive = self.coordinator.directive(asked.plan_version)
         if directive.stage == Stage.SHL and asked.kind in (Kind.DENSE_DELTA, Kind.SPARSE_DELTA):
@@ -201,11 +196,11 @@ class ParameterServer:
         if flags & Flag.STOP:
             self._leave(rank, "stopped")   # told to stop: it sends nothing more
         body = self._downlink()
-        header = Header(kind=Kind.REPLY, rank=self.rank, stage=StageCode[directive.stage.value],
+        header = Header(kind=Kind.REPLY, rank=self.rank, stage=directive.stage,
                         commit=asked.commit, base_version=self.version,
                         plan_version=directive.plan_version, dtype=protocol.DType.of(body.dtype),
                         numel=body.numel(), flags=flags)
-        return Reply(rank, header, body, directive.plan)
+        return OutgoingReply(rank, header, body, directive.plan)
 
     def _downlink(self) -> torch.Tensor:
         if self._downlink_buf is None:
@@ -227,7 +222,6 @@ class ServerThread:
         self.lock = lock or threading.Lock()   # shared with whoever else reads the coordinator
         self.buffer = protocol.MessageBuffer(protocol.max_payload_nbytes(server.model.numel()))
         self.error: Optional[BaseException] = None
-        self._stop = threading.Event()
         self._stop_reason: Optional[str] = None
         self.tick_s = 0.25
         self._thread = threading.Thread(target=self._run, name="ashl-server", daemon=True)
@@ -243,7 +237,7 @@ class ServerThread:
     def _run(self) -> None:
         last_tick = time.monotonic()
         try:
-            while self.server.live and not self._stop.is_set():
+            while self.server.live:
                 if self._stop_reason is not None or time.monotonic() - last_tick > self.tick_s:
                     last_tick = time.monotonic()
                     reason, self._stop_reason = self._stop_reason, None
@@ -275,7 +269,7 @@ class ServerThread:
             self.error = exc
             log.exception("the parameter server failed")
 
-    def _send(self, r: Reply) -> None:
+    def _send(self, r: OutgoingReply) -> None:
         header = r.header.replace(sent_at=time.monotonic())   # emulated links deliver from it
         protocol.send(self.comm, r.dest, header, r.payload, tag=protocol.TAG_TO_RANK)
         if r.header.flags & Flag.PLAN_FOLLOWS:
@@ -290,9 +284,6 @@ class ServerThread:
         self._thread.join(timeout)
         if self.error is not None:
             raise RuntimeError("the parameter server failed") from self.error
-
-    def stop(self) -> None:
-        self._stop.set()
 
 
 def _any_source() -> int:

@@ -28,6 +28,8 @@ __all__ = ["Stage", "StageConfig", "Transition", "StageMachine", "RunningLoss"]
 
 
 class Stage(str, enum.Enum):
+    """The run's stage; its value is the name plans and logs use, ``code`` its wire byte."""
+
     PROFILE = "PROFILE"
     AHL = "AHL"
     SHL = "SHL"
@@ -35,6 +37,32 @@ class Stage(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
+
+    @property
+    def code(self) -> int:
+        """The byte a protocol header carries."""
+        return _CODES[self]
+
+    @classmethod
+    def from_code(cls, code: int) -> "Stage":
+        """The stage of a wire byte; ValueError for an unknown one."""
+        for stage, c in _CODES.items():
+            if c == code:
+                return stage
+        raise ValueError(f"unknown stage code {code!r}")
+
+    @property
+    def training(self) -> bool:
+        return self in (Stage.AHL, Stage.SHL)
+
+    @property
+    def planned(self) -> "Stage":
+        """The stage whose plan applies now: a training stage itself; before and after
+        training, AHL (the first plan's numbers)."""
+        return self if self.training else Stage.AHL
+
+
+_CODES = {Stage.PROFILE: 0, Stage.AHL: 1, Stage.SHL: 2, Stage.DONE: 3}
 
 
 def _optional_positive(name: str, value, integer: bool = False) -> None:
@@ -195,7 +223,7 @@ class StageMachine:
         """PROFILE -> ``stage`` (AHL or SHL) for a run continued from a checkpoint (or one
         that starts with a fixed plan and no profiling: ``reason`` says which)."""
         stage = Stage(stage)
-        if stage not in (Stage.AHL, Stage.SHL):
+        if not stage.training:
             raise ValueError(f"a run resumes in AHL or SHL, not {stage.value}")
         self.begin_training(now, reason=reason)
         if stage is Stage.SHL and self.stage is Stage.AHL:

@@ -2,8 +2,8 @@
 
 Each rank does emulated steps (a sleep of --base-step, stretched by its compute slowdown
 factor), profiles them with the real profiler, measures its link to rank 0 with a real
-payload, and then runs commit rounds that exchange real CommitReport/Directive messages
-with rank 0's coordinator. The training loss is synthetic (a decaying or constant curve).
+payload, and then runs commit rounds through the real ServerClient and a ParameterServer
+thread on rank 0, whose coordinator answers every commit. The training loss is synthetic (a decaying or constant curve).
 Every rank writes OUT/rank<r>.json with what it saw.
 """
 
@@ -14,11 +14,16 @@ import os
 import sys
 import time
 
-from ashl.coordinator import CommitReport, DriftConfig, MPICoordinator
+import torch
+
+from ashl.client import Commit, ServerClient
+from ashl.compression import Compression
+from ashl.coordinator import DriftConfig, MPICoordinator
 from ashl.emulation import ComputeSlowdown, factors_from_string
 from ashl.planner import PlannerConfig, RankProfile
 from ashl.profiler import StepTimer
-from ashl.stages import RunningLoss, StageConfig
+from ashl.server import ParameterServer, ServerThread
+from ashl.stages import RunningLoss, Stage, StageConfig
 
 
 class PacedWork:
@@ -89,54 +94,68 @@ def main(argv=None):
     plan = mc.establish_plan(profile)
     first_plan = plan.to_json()
 
-    # ---- training rounds
+    # ---- training rounds: every commit through the real client and parameter server (a
+    # model of payload_bytes, zero deltas: only the coordinator's decisions matter here)
+    numel = max(1, args.payload_bytes // 4)
+    wire = mc.comm.Dup()
+    server = None
+    if rank == mc.root:
+        server = ServerThread(ParameterServer(torch.zeros(numel), size, mc.coordinator,
+                                              rank=rank), wire, lock=mc.lock).start()
+    client = ServerClient(wire, mc.root, rank, numel,
+                          server_error=lambda: None if server is None else server.error)
+    zeros = [torch.zeros(numel)]
+    send_buf = torch.empty(4 * numel, dtype=torch.uint8)
     t_train = time.monotonic()
     running = RunningLoss()
-    stage = mc.stage
+    stage, version = Stage.AHL, 0
     commits, plans_seen, stages_seen = [], [{"commit": 0, "version": plan.version,
                                              "ahl": list(plan.ahl.local_steps),
                                              "shl": list(plan.shl.local_steps)}], [
         {"commit": 0, "stage": stage.value}]
-    stop_reason = ""
     while True:
         if change and change[0] == rank and len(commits) == change[2]:
             slowdown.factor = change[1]
-        h = plan.local_steps(rank, stage.value)
+        h = plan.local_steps(rank, stage)
         rt = StepTimer()
         for _ in range(h):
             rt.time(step)
             t = time.monotonic() - t_train
             loss = args.loss_start * (0.5 ** (t / args.loss_halflife) if args.loss_halflife > 0 else 1.0)
             running.add(loss)
-        report = CommitReport(rank=rank, plan_version=plan.version,
-                              step_s=math.fsum(rt.samples) / len(rt.samples),
-                              loss=running.commit(), samples=h, local_steps=h)
-        if rank == mc.root and time.monotonic() - t_train > args.wall_limit:
-            with mc._lock:
-                mc.coordinator.stop("driver wall limit")
-        directive = mc.report(report)
+        if server is not None and time.monotonic() - t_train > args.wall_limit:
+            server.request_stop("driver wall limit")
+        step_s = math.fsum(rt.samples) / len(rt.samples)
+        reply = client.commit(Compression.none.pack(zeros, zeros, None, None, send_buf), Commit(
+            stage=stage, number=len(commits), base_version=version, plan_version=plan.version,
+            epoch=0, local_steps=h, step_s=step_s, loss=running.commit()))
+        version = reply.version
         commits.append({"commit": len(commits) + 1, "t": time.monotonic() - t_train, "stage": stage.value,
-                        "h": h, "step_s": report.step_s, "factor": slowdown.factor,
-                        "plan_version": plan.version, "loss": report.loss})
-        if directive.plan is not None:
-            plan = directive.plan
+                        "h": h, "step_s": step_s, "factor": slowdown.factor,
+                        "plan_version": plan.version, "loss": running.value})
+        if reply.plan is not None:
+            plan = reply.plan
             plans_seen.append({"commit": len(commits), "version": plan.version,
                                "ahl": list(plan.ahl.local_steps), "shl": list(plan.shl.local_steps)})
-        if directive.stage is not stage:
-            stage = directive.stage
+        new_stage = Stage.DONE if reply.stop else reply.stage
+        if new_stage is not stage:
+            stage = new_stage
             stages_seen.append({"commit": len(commits), "stage": stage.value})
-        if directive.stop:
-            stop_reason = directive.reason
+        if reply.stop:
             break
-
-    events = [e.to_dict() for e in mc.events()]
+    if server is not None:
+        server.join()
+    root_machine = mc.coordinator.machine if rank == mc.root else None
+    stop_reason = mc.comm.bcast(root_machine.stop_reason if root_machine else None, root=mc.root)
+    events = [e.to_dict() for e in mc.coordinator.events] if root_machine else []
+    transitions = ([t.__dict__ | {"from_stage": t.from_stage.value, "to_stage": t.to_stage.value}
+                    for t in root_machine.transitions] if root_machine else [])
+    wire.Free()
     mc.close()
     result = {"rank": rank, "size": size, "factor": factors[rank], "change": change,
               "profile": profile.to_dict(), "first_plan": first_plan, "final_plan": plan.to_json(),
               "plans_seen": plans_seen, "stages_seen": stages_seen, "commits": commits,
-              "stop_reason": stop_reason, "events": events,
-              "transitions": ([t.__dict__ | {"from_stage": t.from_stage.value, "to_stage": t.to_stage.value}
-                               for t in mc.coordinator.machine.transitions] if rank == mc.root else [])}
+              "stop_reason": stop_reason, "events": events, "transitions": transitions}
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f, indent=1)
     return 0

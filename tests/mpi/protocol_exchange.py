@@ -1,5 +1,5 @@
 """Two ranks: rank 1 commits a dense and a top-k delta to rank 0, rank 0 merges them and
-replies with the global model and a plan. Run by tests/test_protocol.py under mpirun -np 2."""
+replies with the global model and a plan. Run by tests/mpi/test_protocol_mpi.py under mpirun -np 2."""
 import sys
 
 import torch
@@ -7,6 +7,7 @@ from mpi4py import MPI
 
 from ashl import protocol as P
 from ashl.compression import Compression, Payload, Residual
+from ashl.stages import Stage
 
 comm = MPI.COMM_WORLD
 rank = comm.Get_rank()
@@ -37,22 +38,20 @@ if rank == SERVER:
         assert Payload.from_message(m.header, m.payload).merge_into(glob, WEIGHT)
     assert kinds == [P.Kind.DENSE_DELTA, P.Kind.SPARSE_DELTA], kinds
     assert torch.allclose(glob, expected_global(), atol=1e-6)
-    reply = P.Header(P.Kind.REPLY, rank=SERVER, stage=P.StageCode.SHL, commit=2, base_version=2,
+    reply = P.Header(P.Kind.REPLY, rank=SERVER, stage=Stage.SHL, commit=2, base_version=2,
                      dtype=P.DType.FLOAT32, numel=NUMEL, flags=P.Flag.ACCEPTED | P.Flag.PLAN_FOLLOWS,
-                     wait_s=0.001)
+                     sent_at=0.001)
     P.send(comm, WORKER, reply, glob, tag=P.TAG_TO_RANK)
     plan = P.json_payload({"plan_version": 2, "shares": ["1/3", "2/3"]})
     P.send(comm, WORKER, P.Header(P.Kind.PLAN, rank=SERVER, dtype=P.DType.UINT8, numel=plan.size),
            plan, tag=P.TAG_TO_RANK)
-    m = P.recv(comm, buf, tag=P.TAG_TO_SERVER, model_numel=NUMEL)
-    assert m.header.kind == P.Kind.STOP
 else:
     d1, d2 = deltas()
     params = [torch.zeros(NUMEL)]
     residual = Residual(params)
     for commit, (delta, comp) in enumerate(((d1, Compression.none), (d2, Compression.topk(0.05))), 1):
         payload = comp.compress(delta, residual)
-        header = P.Header(rank=WORKER, stage=P.StageCode.AHL if commit == 1 else P.StageCode.SHL,
+        header = P.Header(rank=WORKER, stage=Stage.AHL if commit == 1 else Stage.SHL,
                           commit=commit, step_s=0.01 * commit, samples=64 * commit,
                           link_ratio=comp.ratio, **payload.header_fields())
         P.send(comm, SERVER, header, payload.buffer, tag=P.TAG_TO_SERVER)
@@ -60,11 +59,10 @@ else:
     buf = P.MessageBuffer(4 * NUMEL)
     m = P.recv(comm, buf, source=SERVER, tag=P.TAG_TO_RANK, model_numel=NUMEL)
     assert m.header.kind == P.Kind.REPLY and m.header.flags & P.Flag.PLAN_FOLLOWS
-    assert m.header.stage == P.StageCode.SHL and m.header.wait_s == 0.001
+    assert m.header.stage is Stage.SHL and m.header.sent_at == 0.001
     assert torch.allclose(m.dense(), expected_global(), atol=1e-6)
     plan = P.recv(comm, buf, source=SERVER, tag=P.TAG_TO_RANK, model_numel=NUMEL)
     assert plan.json() == {"plan_version": 2, "shares": ["1/3", "2/3"]}
-    P.send(comm, SERVER, P.Header(P.Kind.STOP, rank=WORKER), tag=P.TAG_TO_SERVER)
 
 print(f"rank {rank} OK", flush=True)
 sys.stdout.flush()

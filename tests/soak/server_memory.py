@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from test_server import dense, server, sparse  # noqa: E402  (the unit tests' builders)
 
 import test_server  # noqa: E402

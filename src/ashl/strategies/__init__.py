@@ -4,33 +4,37 @@ ASHL: "ashl" (parameter server) and "ashl-sync" (allreduce). Baselines: "bsp" (H
 DistributedOptimizer), "localsgd" (model averaging every H steps), "ssp" and "asp" (one step
 per commit through the parameter server, bounded / no staleness), "adsp" (time-based
 commits, online commit-rate search).
+
+Where things live: base.py (the control plane every strategy shares), control.py (the
+synchronous strategies' allreduced control numbers and decisions), parameter_server.py (the
+commit and the reply of ashl, ssp, asp, adsp), averaging.py (the allreduce round of
+ashl-sync and localsgd), and one small module per strategy for what makes it different.
 """
 from __future__ import annotations
 
-STRATEGIES = ("ashl", "ashl-sync", "bsp", "localsgd", "ssp", "asp", "adsp")
+import importlib
+
+# name -> (module, class)
+_REGISTRY = {
+    "ashl": (".ashl", "AshlStrategy"),
+    "ashl-sync": (".ashl_sync", "AshlSyncStrategy"),
+    "bsp": (".bsp", "BspStrategy"),
+    "localsgd": (".localsgd", "LocalSgdStrategy"),
+    "ssp": (".ps_baselines", "SspStrategy"),
+    "asp": (".ps_baselines", "AspStrategy"),
+    "adsp": (".adsp", "AdspStrategy"),
+}
+STRATEGIES = tuple(_REGISTRY)
 BASELINES = ("bsp", "localsgd", "ssp", "asp", "adsp")
 
 
+def strategy_class(name: str):
+    """The class of strategy `name` (imported on first use: each pulls in MPI or Horovod)."""
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown strategy {name!r}; expected one of {', '.join(STRATEGIES)}")
+    module, cls = _REGISTRY[name]
+    return getattr(importlib.import_module(module, __name__), cls)
+
+
 def make_strategy(name: str, model, params, **kwargs):
-    if name == "ashl":
-        from .ashl import AshlStrategy
-        return AshlStrategy(model, params, **kwargs)
-    if name == "ashl-sync":
-        from .ashl_sync import AshlSyncStrategy
-        return AshlSyncStrategy(model, params, **kwargs)
-    if name == "bsp":
-        from .bsp import BspStrategy
-        return BspStrategy(model, params, **kwargs)
-    if name == "localsgd":
-        from .localsgd import LocalSgdStrategy
-        return LocalSgdStrategy(model, params, **kwargs)
-    if name == "ssp":
-        from .ps_baselines import SspStrategy
-        return SspStrategy(model, params, **kwargs)
-    if name == "asp":
-        from .ps_baselines import AspStrategy
-        return AspStrategy(model, params, **kwargs)
-    if name == "adsp":
-        from .adsp import AdspStrategy
-        return AdspStrategy(model, params, **kwargs)
-    raise ValueError(f"unknown strategy {name!r}; expected one of {', '.join(STRATEGIES)}")
+    return strategy_class(name)(model, params, **kwargs)

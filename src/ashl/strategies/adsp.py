@@ -1,7 +1,7 @@
 """``adsp``: ADSP (Hu et al., "Distributed Machine Learning through Heterogeneous Edge
 Systems", AAAI'20) as ITS AUTHORS' CODE does it (joapolarbear/adsp, ``cifar10/strain.py``),
-not the ASHL authors' copy (ashl-algorithm.md section 8 lists that copy's bugs: a reward
-that is identically 1, no local updates, the learning rate applied twice).
+not the ASHL authors' copy (docs/ALGORITHM.md lists that copy's bugs: a reward that is
+identically 1, no local updates, the learning rate applied twice).
 
 Workers never wait. Each trains continuously with local optimizer steps and, every
 ``interval`` seconds of wall time, commits its accumulated update U_i = w_i - w_i(last pull)
@@ -57,6 +57,7 @@ from typing import Optional, Sequence
 
 from ..stages import Stage
 from .ps_baselines import PSBaseline
+from .runtime import world_comm
 
 __all__ = ["fit_loss_curve", "adsp_reward", "CommitRateSearch", "AdspStrategy"]
 
@@ -282,9 +283,7 @@ class AdspStrategy(PSBaseline):
                  c_init: int = 1, c_max: Optional[int] = None, jump: float = 0.3,
                  search: bool = True, comm=None, **kwargs):
         kwargs.pop("merge_weight", None)
-        from .ashl import mpi_world
-        MPI = mpi_world()
-        world = MPI.COMM_WORLD if comm is None else comm
+        world = world_comm(comm)
         super().__init__(model, params, comm=world, merge_weight=Fraction(1, world.Get_size()),
                          **kwargs)
         self.ctl = world.Dup()      # the scheduler's c_target announcements
@@ -318,9 +317,9 @@ class AdspStrategy(PSBaseline):
             return True             # the first step: the plan, then the first commit
         return time.perf_counter() - self._last_commit_end >= self.interval
 
-    def _commit(self, final: bool = False) -> None:
+    def _exchange(self, final: bool = False) -> None:
         t0 = time.perf_counter()
-        super()._commit(final)
+        super()._exchange(final)
         now = time.perf_counter()
         self.last_commit_s = now - t0
         self._last_commit_end = now
@@ -354,8 +353,7 @@ class AdspStrategy(PSBaseline):
                 return
             self.c_target = int(c)
 
-    def finish(self) -> None:
-        super().finish()
+    def _close(self) -> None:
         if self.is_server:
             for r in range(self.size):
                 if r != self.rank:
@@ -363,6 +361,7 @@ class AdspStrategy(PSBaseline):
         else:
             self._receive_targets(until_end=True)
         self.ctl.Free()
+        super()._close()
 
     def counters(self) -> dict:
         c = super().counters()

@@ -1,82 +1,40 @@
-"""What every training strategy shares: the state that travels, step timing, counters.
+"""The control plane every strategy shares, written once.
 
 A strategy is driven by the wrapped optimizer: ``before_step()`` when ``step()`` is entered
-and ``after_step(loss)`` after the local update. It decides when to communicate and how.
+and ``after_step(loss)`` after the local update. ``Strategy`` counts the steps, times them,
+keeps the running loss, evaluates on the control rank at its cadence, follows the run's
+stage as decided elsewhere (by the parameter server's coordinator or by the allreduced
+control numbers), writes the timeline and ends the run. A subclass supplies only what makes
+it different, split as torch's model averagers split *when* from *how*:
+
+    _round_done()       when this rank communicates (default: after its H_i local steps)
+    _make_plan()        the plan, once, at the end of the first round (collective where the
+                        strategy's exchange is)
+    _exchange(final)    how it communicates; ends by calling ``_follow(stage, reason)``
+    _final_model()      finish(): every rank ends with the same final model
+    _close()            finish(): free what the strategy opened
+
+and, if it must, ``on_stage_change(old, new)``: the one hook a rank runs when the run moves
+to a new training stage (default: the sampler takes the new stage's data shares).
 """
 from __future__ import annotations
 
+import logging
 import math
 import socket
 import time
-from typing import Optional, Sequence
+from typing import Callable, Optional
 
 import torch
 
 from .. import kernels
 from ..emulation import ComputeSlowdown, Heterogeneity
-from ..stages import RunningLoss, Stage
+from ..planner import Plan
+from ..stages import RunningLoss, Stage, StageMachine
+from ..timeline import Timeline, timeline_path, write_chrome_trace
+from .model_state import model_state
 
-
-def model_state(model: Optional[torch.nn.Module],
-                params: Sequence[torch.Tensor]) -> tuple[list[str], list[torch.Tensor]]:
-    """(names, tensors) of what travels: the parameters, then the model's floating-point
-    buffers (BatchNorm running statistics), which are averaged too. Integer buffers
-    (num_batches_tracked) stay local."""
-    names_of = {}
-    if model is not None:
-        names_of = {p.data_ptr(): n for n, p in model.named_parameters()}
-    tensors = [p.data for p in params]
-    names = [names_of.get(t.data_ptr(), f"param[{i}]") for i, t in enumerate(tensors)]
-    seen = {t.data_ptr() for t in tensors}
-    if model is not None:
-        for name, b in model.named_buffers():
-            if b.is_floating_point() and b.data_ptr() not in seen and b.numel() > 0:
-                tensors.append(b.data)
-                names.append(name)
-                seen.add(b.data_ptr())
-    for name, t in zip(names, tensors):
-        if not t.is_contiguous():
-            raise ValueError(f"{name} (shape {tuple(t.shape)}) is not contiguous")
-        if t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            raise ValueError(f"{name} has dtype {t.dtype}; ashl averages float32, "
-                             "float16 and bfloat16 tensors")
-    return names, tensors
-
-
-def model_state_tensors(model: Optional[torch.nn.Module],
-                        params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    return model_state(model, params)[1]
-
-
-def signature(names: Sequence[str], tensors: Sequence[torch.Tensor]) -> list[tuple]:
-    return [(n, tuple(t.shape), str(t.dtype).replace("torch.", "")) for n, t in zip(names, tensors)]
-
-
-def signature_mismatch(signatures: Sequence[Sequence[tuple]]) -> Optional[str]:
-    """None if every rank's model signature equals rank 0's, else a message naming the
-    first differing tensor and the ranks involved."""
-    ref = signatures[0]
-    for rank, sig in enumerate(signatures[1:], start=1):
-        for i in range(max(len(ref), len(sig))):
-            a = ref[i] if i < len(ref) else None
-            b = sig[i] if i < len(sig) else None
-            if a == b:
-                continue
-            if a is None or b is None:
-                return (f"model mismatch: rank {rank} has {len(sig)} tensors to average but "
-                        f"rank 0 has {len(ref)} (first extra: {(a or b)[0]!r})")
-            what = ("name" if a[0] != b[0] else "shape" if a[1] != b[1] else "dtype")
-            return (f"model mismatch at tensor {i}: rank {rank} has {b[0]!r} {b[1]} {b[2]}, "
-                    f"rank 0 has {a[0]!r} {a[1]} {a[2]} (the {what} differs)")
-    return None
-
-
-def verify_same_model(comm, names: Sequence[str], tensors: Sequence[torch.Tensor]) -> None:
-    """Collective, at start: every rank must train the same model (names, shapes, dtypes,
-    order). On a mismatch every rank raises the same error, at once."""
-    problem = signature_mismatch(comm.allgather(signature(names, tensors)))
-    if problem is not None:
-        raise ValueError(problem)
+log = logging.getLogger("ashl")
 
 
 class StepClock:
@@ -112,6 +70,10 @@ class StepClock:
         self.last_end += seconds
         self.comm_s += seconds
 
+    def pause(self, seconds: float) -> None:
+        """Time that is neither compute nor communication (an evaluation)."""
+        self.last_end += seconds
+
     def round_mean(self) -> Optional[float]:
         return self.round_compute / self.round_steps if self.round_steps else None
 
@@ -119,50 +81,264 @@ class StepClock:
         self.round_compute, self.round_steps = 0.0, 0
 
 
+class Evaluations:
+    """The user's ``evaluate`` callback on the control rank, at most every ``every_s``."""
+
+    def __init__(self, evaluate: Optional[Callable[[], float]], every_s: float):
+        if not (isinstance(every_s, (int, float)) and not isinstance(every_s, bool)
+                and math.isfinite(every_s) and every_s >= 0):
+            raise ValueError(f"eval_every_s must be a number >= 0, got {every_s!r}")
+        self.evaluate, self.every_s = evaluate, float(every_s)
+        self.last_at = float("-inf")
+        self.last_accuracy: Optional[float] = None
+        self.spent_s = 0.0
+
+    def maybe(self) -> Optional[float]:
+        """The accuracy of the model this rank holds now, if an evaluation is due."""
+        if self.evaluate is None or time.monotonic() - self.last_at < self.every_s:
+            return None
+        self.last_at = time.monotonic()
+        t0 = time.perf_counter()
+        self.last_accuracy = float(self.evaluate())
+        self.spent_s += time.perf_counter() - t0
+        return self.last_accuracy
+
+
+def loss_value(loss) -> Optional[float]:
+    if loss is None:
+        return None
+    return float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+
+
 class Strategy:
-    """Base class: counters and the properties the optimizer exposes."""
+    """Counters, timing, evaluation, stage following, the timeline and the end of a run."""
 
     name = "base"
+    single_stage = False      # baselines: one training stage, shown as "TRAIN"
+    accepts_compression = ()  # names of the compressors this strategy can send with
 
-    def __init__(self, model, params, *, sampler=None, rank: int = 0, size: int = 1,
-                 heterogeneity: Optional[Heterogeneity] = None):
+    def __init__(self, model, params, *, comm, sampler=None, heterogeneity=None,
+                 evaluate: Optional[Callable[[], float]] = None, eval_every_s: float = 2.0,
+                 control_rank: int = 0):
         self.model = model
         self.names, self.tensors = model_state(model, params)
         self.numel = kernels.flat_numel(self.tensors)
         self.sampler = sampler
-        self.rank, self.size = rank, size
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        if not 0 <= control_rank < self.size:
+            raise ValueError(f"server_rank {control_rank} is not a rank of this "
+                             f"{self.size}-rank job")
+        self.comm = comm.Dup()           # the control plane's own tag space
+        self.control_rank = control_rank
+        self.evaluations = Evaluations(evaluate if self.rank == control_rank else None,
+                                       eval_every_s)
         self.stage = Stage.PROFILE
-        self.plan = None
+        self.plan: Optional[Plan] = None
+        self.planned = False
         self.finished = False
-        self.local_steps = 0        # all local steps of this rank
+        self.left_early = False
+        self._stop_reason: Optional[str] = None
+        self.local_steps = 0             # all local steps of this rank
+        self.round_steps = 0             # local steps since this rank last communicated
         self.commits = 0
+        self.bytes_sent = 0
+        self.rejected = 0
         self.clock = StepClock()
         self.loss = RunningLoss()
         self.host = socket.gethostname()
-        self.optimizer = None        # the wrapped optimizer, set by DistributedOptimizer
+        self.optimizer = None            # the wrapped optimizer, set by DistributedOptimizer
         self.epoch = 0
+        self.started = False
+        self._closed = False
+        from ..profiler import RankProfiler
+        self.profiler = RankProfiler(name=self.host)
+        self.timeline = Timeline(self.rank)
+        self._round_wall = time.time()
         # Emulated hardware (tests, benchmarks): explicit, else ASHL_EMULATE_* variables.
-        self.hetero = heterogeneity if heterogeneity is not None else Heterogeneity.from_env(rank)
+        self.hetero = (heterogeneity if heterogeneity is not None
+                       else Heterogeneity.from_env(self.rank))
         self.slowdown = (ComputeSlowdown(self.hetero.compute_factor)
                          if self.hetero.compute_factor != 1.0 else None)
 
-    def step_done(self) -> float:
-        """Count a local step's compute (stretched by any emulated slowdown)."""
-        return self.clock.step_done(self.slowdown)
+    # ------------------------------------------------------------ what a strategy supplies
+    def local_steps_target(self) -> int:
+        raise NotImplementedError
 
-    def link_departure(self, nbytes: int) -> None:
-        """An emulated slow link: the message leaves only after its transfer time."""
-        delay = self.hetero.link_delay(nbytes)
-        if delay > 0:
-            time.sleep(delay)
+    def _round_done(self) -> bool:
+        return self.round_steps >= self.local_steps_target()
 
-    def link_arrival(self, sent_at: float, nbytes: int) -> None:
-        """An emulated slow link: a message sent at `sent_at` (time.monotonic, host-wide) is
-        not delivered before sent_at + its transfer time."""
-        if self.hetero.link is not None:
-            from ..emulation import sleep_until
-            sleep_until(sent_at + self.hetero.link_delay(nbytes))
+    def _make_plan(self) -> None:
+        raise NotImplementedError
 
+    def _exchange(self, final: bool = False) -> None:
+        raise NotImplementedError
+
+    def _final_model(self) -> None:
+        raise NotImplementedError
+
+    def _close(self) -> None:
+        pass
+
+    def _start(self) -> None:
+        """At the first step(): the model as broadcast before training is the start."""
+
+    def machine(self) -> Optional[StageMachine]:
+        """The run's stage machine where this rank can read it, else None."""
+        return None
+
+    # ------------------------------------------------------------------ what a user reads
+    @property
+    def stage_label(self) -> str:
+        """What ``opt.stage`` shows: the stage's name (baselines: "TRAIN", then "DONE")."""
+        if self.single_stage:
+            return "DONE" if self.finished or self.stage is Stage.DONE else "TRAIN"
+        return self.stage.value
+
+    @property
+    def stop_reason(self) -> Optional[str]:
+        """Why the run ended, where this rank knows it (None while it runs)."""
+        machine = self.machine()
+        return self._stop_reason or (machine.stop_reason if machine is not None else None)
+
+    @property
+    def global_commits(self) -> Optional[int]:
+        """The run's commits over all ranks, where this rank knows them, else None."""
+        machine = self.machine()
+        return None if machine is None else machine.commits
+
+    @property
+    def transitions(self) -> list[dict]:
+        """The run's stage changes, where this rank sees the stage machine (the server rank;
+        every rank of a synchronous strategy, identically), else []."""
+        machine = self.machine()
+        return [] if machine is None else [
+            {"at_s": t.at_s, "commits": t.commits, "from": t.from_stage.value,
+             "to": t.to_stage.value, "reason": t.reason} for t in machine.transitions]
+
+    def counters(self) -> dict:
+        return {"local_steps": self.local_steps, "commits": self.commits,
+                "compute_s": self.clock.total_compute, "comm_s": self.clock.comm_s,
+                "eval_s": self.evaluations.spent_s, "bytes_sent": self.bytes_sent,
+                "rejected": self.rejected, "stop_reason": self.stop_reason,
+                "global_commits": self.global_commits, "left_early": self.left_early,
+                "last_accuracy": self.evaluations.last_accuracy}
+
+    def set_epoch(self, epoch: int) -> None:
+        """The training epoch, reported with commits (as a sampler is told)."""
+        self.epoch = int(epoch)
+
+    def current_epoch(self) -> int:
+        """The epoch reported with commits: the sampler's, else what set_epoch was told."""
+        return int(getattr(self.sampler, "epoch", self.epoch))
+
+    # ------------------------------------------------------------------ the driving loop
+    def before_step(self) -> None:
+        if self.finished:
+            raise RuntimeError("this optimizer has finished (opt.finished is True); "
+                               "stop the training loop")
+        if not self.started:
+            self.started = True
+            self._round_wall = time.time()
+            self.clock.restart()
+            self._start()
+
+    def after_step(self, loss) -> None:
+        dt = self.clock.step_done(self.slowdown)
+        self.local_steps += 1
+        self.round_steps += 1
+        value = loss_value(loss)
+        if value is not None and math.isfinite(value):
+            self.loss.add(value)
+        if self.stage is Stage.PROFILE:
+            self.profiler.record("compute", dt)
+        if self._round_done():
+            t0, evals = time.perf_counter(), self.evaluations.spent_s
+            if not self.planned:
+                self._plan()
+            self._exchange()
+            evaluating = self.evaluations.spent_s - evals
+            self.clock.exclude(time.perf_counter() - t0 - evaluating)
+            self.clock.pause(evaluating)
+
+    def _plan(self) -> None:
+        self.planned = True
+        self._make_plan()
+
+    # ------------------------------------------------------------------- the control plane
+    def adopt_plan(self, plan: Plan) -> None:
+        """A plan (the first, or a re-plan): its data shares apply at the sampler's next
+        epoch boundary on this rank."""
+        self.plan = plan
+        self.timeline.instant("plan", version=plan.version,
+                              H=plan.local_steps(self.rank, self.stage.planned))
+        self._give_shares()
+
+    def _give_shares(self) -> None:
+        if self.plan is not None and hasattr(self.sampler, "set_shares"):
+            self.sampler.set_shares(list(self.plan.stage(self.stage.planned).shares))
+
+    def _follow(self, stage: Stage, reason: Optional[str] = None) -> None:
+        """Adopt the run's stage as decided for this round."""
+        if stage is self.stage:
+            return
+        old, self.stage = self.stage, stage
+        if stage is Stage.DONE:
+            self.finished = True
+            self._stop_reason = reason or self._stop_reason
+            self.timeline.instant("stop", reason=self.stop_reason)
+            log.info("%s: rank %d stops: %s", self.name, self.rank, self.stop_reason)
+        else:
+            self.timeline.instant("stage", stage=stage.value, reason=reason)
+            self.on_stage_change(old, stage)
+
+    def on_stage_change(self, old: Stage, new: Stage) -> None:
+        """What a rank does when the run enters a new training stage: its sampler takes
+        the new stage's data shares (the plan's H_i, ratio and weights follow from
+        ``self.stage`` by themselves)."""
+        self._give_shares()
+
+    def round_span(self, start_wall: float, **args) -> None:
+        """The timeline's compute span of the round that ended at `start_wall` and the
+        exchange span from there to now."""
+        now = time.time()
+        self.timeline.span("compute", self._round_wall, start_wall, steps=args.pop("steps", 0))
+        self.timeline.span("commit", start_wall, now, **args)
+        self._round_wall = now
+
+    # ------------------------------------------------------------------------- the end
+    def finish(self) -> None:
+        """Leave the run (collective, once per rank): tell the others if the run has not
+        ended, then every rank ends with the same final model."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self.started:
+            self.before_step()
+        t0 = time.perf_counter()
+        if not self.planned:
+            # Stopped before the first round ended: plan now so the collective calls line up.
+            if not self.profiler.samples["compute"]:
+                self.profiler.record("compute", 1e-3)
+            self._plan()
+        if not self.finished:
+            self.left_early = True
+            self._exchange(final=True)
+        self.finished = True
+        self.stage = Stage.DONE
+        self._final_model()
+        self._write_timeline()
+        self._close()
+        self.comm.Free()
+        self.clock.comm_s += time.perf_counter() - t0
+
+    def _write_timeline(self) -> None:
+        path = timeline_path()   # every rank agrees on it: the gather is collective
+        if path:
+            traces = self.comm.gather(self.timeline.events, root=self.control_rank)
+            if self.rank == self.control_rank:
+                write_chrome_trace(path, traces)
+
+    # ---------------------------------------------------------------- shared mechanics
     def clear_nonfinite_optimizer_state(self) -> int:
         """After a rejected (NaN/Inf) delta the parameters come back from the global model,
         but momentum and similar buffers would re-poison them: zero every optimizer state
@@ -176,75 +352,18 @@ class Strategy:
                     cleared += 1
         return cleared
 
-    @property
-    def stage_label(self) -> str:
-        """What ``opt.stage`` shows: the stage's name (baselines: "TRAIN", then "DONE")."""
-        return self.stage.value
+    def measured_profile(self, mc, payload_bytes: int):
+        """This rank's profile (collective): its timed steps, and its link measured with a
+        real message of `payload_bytes`, plus any emulated link delay."""
+        push, pull = mc.measure_link(payload_bytes)
+        emulated = self.hetero.link_delay(payload_bytes)
+        self.profiler.extend("push", [push.mean + emulated])
+        self.profiler.extend("pull", [pull.mean + emulated])
+        return self.profiler.profile(min_warmup=1)
 
-    def set_epoch(self, epoch: int) -> None:
-        """The training epoch, reported with commits (as a sampler is told)."""
-        self.epoch = int(epoch)
-
-    # driven by the optimizer
-    def before_step(self) -> None:
-        pass
-
-    def after_step(self, loss) -> None:
-        raise NotImplementedError
-
-    def finish(self) -> None:
-        self.finished = True
-
-    def counters(self) -> dict:
-        return {"local_steps": self.local_steps, "commits": self.commits,
-                "compute_s": self.clock.total_compute, "comm_s": self.clock.comm_s}
-
-
-def loss_value(loss) -> Optional[float]:
-    if loss is None:
-        return None
-    return float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
-
-
-class RoundStrategy(Strategy):
-    """Profile with real steps, then rounds: local steps until ``_round_done()``, then one
-    exchange (``_end_round()``: a commit to the server, or an allreduce). Communication
-    inside step() is excluded from the compute clock."""
-
-    def __init__(self, model, params, **kwargs):
-        super().__init__(model, params, **kwargs)
-        from ..profiler import RankProfiler
-        self.profiler = RankProfiler(name=self.host)
-        self.round_steps = 0
-
-    def local_steps_target(self) -> int:
-        raise NotImplementedError
-
-    def _round_done(self) -> bool:
-        """After this rank's H_i local steps (a time-based strategy overrides this)."""
-        return self.round_steps >= self.local_steps_target()
-
-    def _make_plan(self) -> None:
-        raise NotImplementedError
-
-    def _end_round(self) -> None:
-        raise NotImplementedError
-
-    def after_step(self, loss) -> None:
-        if self.finished:
-            raise RuntimeError("this optimizer has finished (opt.finished is True); "
-                               "stop the training loop")
-        dt = self.step_done()
-        self.local_steps += 1
-        self.round_steps += 1
-        value = loss_value(loss)
-        if value is not None and math.isfinite(value):
-            self.loss.add(value)
-        if self.stage == Stage.PROFILE:
-            self.profiler.record("compute", dt)
-        if self._round_done():
-            t0 = time.perf_counter()
-            if self.stage == Stage.PROFILE:
-                self._make_plan()
-            self._end_round()
-            self.clock.exclude(time.perf_counter() - t0)
+    def flat_model(self, tensors=None) -> torch.Tensor:
+        """A flat fp32 copy of `tensors` (default: the model's state)."""
+        tensors = self.tensors if tensors is None else tensors
+        flat = torch.empty(self.numel, dtype=torch.float32, device=tensors[0].device)
+        kernels.pack_delta(tensors, [torch.zeros_like(t) for t in tensors], flat)
+        return flat

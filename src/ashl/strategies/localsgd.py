@@ -1,59 +1,43 @@
 """``localsgd``: local SGD with periodic model averaging (as PyTorch's PostLocalSGD /
 ``torch.distributed.algorithms.model_averaging``): every rank takes the same H local steps,
-then the ranks average their models with ONE in-place ``hvd.allreduce_``:
+then the ranks average their models with ONE in-place ``hvd.allreduce_`` (averaging.py):
 
-    flat[:numel] = (params - anchors) / n         kernels.pack_delta(scale=1/n)
-    flat[numel:] = control slots                  (losses, rank 0's clock and accuracy, leave)
-    hvd.allreduce_(flat, op=Sum)
-    anchors += flat[:numel]; params = anchors     kernels.unpack_add
-
-i.e. params = mean_i(params_i), BatchNorm float buffers included (Strategy.tensors has them).
+    params = mean_i(params_i)        BatchNorm float buffers included
 
 It is ``ashl-sync`` with a fixed plan (``planner.uniform_plan``: H for every rank, equal data
 shares, merge weight 1/n), no profiling and no stage switch; the control slots drive the
-same StageMachine on every rank, so all ranks stop on the same round (target accuracy from
-rank 0's ``evaluate``, time budget on rank 0's clock, commit budget = rounds * n), and an
-early ``finish()`` on one rank stops the others on their next round.
+same StageMachine on every rank, so all ranks stop on the same round.
 
 H: ``local_steps``, default 8 = ASHL's k_AHL, the local steps ASHL gives its SLOWEST rank per
 round: local SGD then spends the same compute between two averages as ASHL's bottleneck,
 so the comparison isolates what ASHL adds (per-rank H_i, asynchrony, compression). The
 authors' Local SGD default is H = 2 (``--H``), ASHL's k_SHL.
 
-Where ASHL-sync differs from the authors' Local SGD (section 8): no central server (an
-allreduce instead of a PS barrier; the same average); the LR schedule is the user's.
 ``opt.stage`` reads "TRAIN" while training and "DONE" at the end.
 """
 from __future__ import annotations
 
 import dataclasses
-import time
 from fractions import Fraction
 
 from ..planner import uniform_plan
 from ..stages import Stage, StageConfig
-from .ashl_sync import AshlSyncStrategy
+from .averaging import ModelAveragingStrategy
 
 
-class LocalSgdStrategy(AshlSyncStrategy):
+class LocalSgdStrategy(ModelAveragingStrategy):
     name = "localsgd"
+    single_stage = True
 
-    def __init__(self, model, params, *, local_steps: int = 8, sampler=None, comm=None,
-                 stage_config=None, evaluate=None, eval_every_s: float = 2.0,
-                 heterogeneity=None, **ignored):
-        # ignored: profile_steps, planner_config, drift_config, compression (dense only)
+    def __init__(self, model, params, *, local_steps: int = 8, stage_config=None, **kwargs):
         if isinstance(local_steps, bool) or not isinstance(local_steps, int) or local_steps < 1:
             raise ValueError(f"local_steps must be an integer >= 1, got {local_steps!r}")
+        for ignored in ("profile_steps", "planner_config", "drift_config"):
+            kwargs.pop(ignored, None)   # nothing to profile or plan
         config = dataclasses.replace(StageConfig() if stage_config is None else stage_config,
                                      switch=False)
-        super().__init__(model, params, sampler=sampler, comm=comm, stage_config=config,
-                         evaluate=evaluate, eval_every_s=eval_every_s,
-                         heterogeneity=heterogeneity)
+        super().__init__(model, params, stage_config=config, **kwargs)
         self.H = local_steps
-
-    @property
-    def stage_label(self) -> str:
-        return "DONE" if self.finished or self.stage == Stage.DONE else "TRAIN"
 
     def local_steps_target(self) -> int:
         return self.H
@@ -62,13 +46,10 @@ class LocalSgdStrategy(AshlSyncStrategy):
         return 1.0 / self.size
 
     def _make_plan(self) -> None:
-        """No profiling and nothing to measure: every rank builds the same fixed plan."""
-        plan = uniform_plan(self.size, self.H, Fraction(1, self.size),
-                            reason=f"localsgd: fixed plan, H={self.H}, model averaging")
-        self.plan_t = 0.0           # training (and max_seconds) counts from the start
-        self._apply_plan(plan, Stage.AHL)
-        self.timeline.instant("plan", version=plan.version, H=self.H)
-        self._round_start = time.perf_counter()
+        """No profiling and nothing to measure: every rank builds the same fixed plan;
+        training (and max_seconds) counts from the start."""
+        self.adopt_plan(uniform_plan(self.size, self.H, Fraction(1, self.size),
+                                     reason=f"localsgd: fixed plan, H={self.H}, model averaging"))
 
     def counters(self) -> dict:
         c = super().counters()

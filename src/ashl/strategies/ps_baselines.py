@@ -1,21 +1,21 @@
-"""Parameter-server baselines on ASHL's own engine: ``ssp`` (bounded staleness) and ``asp``
+"""Parameter-server baselines on ashl's own engine: ``ssp`` (bounded staleness) and ``asp``
 (fully asynchronous), and the base of ``adsp``.
 
-They run through the same ``AshlStrategy`` / ``ParameterServer`` machinery (server thread on
-``server_rank``, wire protocol, stop rules, timeline, emulated links), with a fixed plan
-instead of profiling (``planner.uniform_plan``):
+They run through the same parameter-server machinery as ``ashl`` (parameter_server.py:
+server thread on ``server_rank``, wire protocol, stop rules, timeline, emulated links), with
+a fixed plan instead of profiling (``planner.uniform_plan``):
 
 * every rank commits after ONE local step (H = 1: each commit is one minibatch update, as the
-  authors' SSP/ASP push one gradient per iteration), dense, on an equal data share;
+  authors' SSP/ASP push one gradient per iteration), dense by default, on an equal data share;
 * the server adds the delta with weight 1 (``merge_weight``; not divided by n: every worker's
   update is a full step, as in the authors' SSP/ASP) and no staleness damping;
 * one stage for the whole run (``StageConfig.switch = False``): SSP runs in the server's
   bounded stage (SHL: a rank is at most ``bound`` commits ahead of the slowest live rank,
   the authors' "staleness 3"), ASP in the unbounded one (AHL: a reply never waits);
-* no profiling, no re-planning, no top-k.
+* no profiling, no re-planning.
 
-Deviation from the authors' code (section 8): their workers push the raw gradient and the
-server takes a momentum-SGD step; here the worker takes its own optimizer step and pushes
+Deviation from the authors' code (docs/ALGORITHM.md): their workers push the raw gradient and
+the server takes a momentum-SGD step; here the worker takes its own optimizer step and pushes
 the resulting change of the model (delta of one step). With plain SGD the two coincide; with
 momentum the momentum lives on the worker, as in every other strategy here.
 
@@ -27,13 +27,10 @@ import dataclasses
 from fractions import Fraction
 from typing import Optional
 
-import torch
-
-from .. import kernels
 from ..coordinator import DriftConfig
 from ..planner import uniform_plan
 from ..stages import Stage, StageConfig
-from .ashl import AshlStrategy
+from .parameter_server import ServerStrategy
 
 
 def single_stage(config: Optional[StageConfig]) -> StageConfig:
@@ -41,28 +38,20 @@ def single_stage(config: Optional[StageConfig]) -> StageConfig:
     return dataclasses.replace(StageConfig() if config is None else config, switch=False)
 
 
-class PSBaseline(AshlStrategy):
+class PSBaseline(ServerStrategy):
     """A fixed-plan, single-stage run of the parameter-server engine."""
 
+    single_stage = True
     run_stage = Stage.AHL           # the server's stage: AHL unbounded, SHL bounded
     local_steps_per_commit = 1
 
-    def __init__(self, model, params, *, sampler=None, comm=None, stage_config=None,
-                 evaluate=None, eval_every_s: float = 2.0, server_rank: int = 0,
-                 bound: int = 3, merge_weight: Optional[Fraction] = None,
-                 heterogeneity=None, poll_s: float = 2e-4,
-                 downlink: torch.dtype = torch.float32, **ignored):
-        # ignored: profile_steps, planner_config, drift_config, compression (dense only)
-        super().__init__(model, params, sampler=sampler, comm=comm, compression=None,
-                         staleness="none", bound=bound, server_rank=server_rank,
-                         downlink=downlink, stage_config=single_stage(stage_config),
-                         drift_config=DriftConfig(enabled=False), evaluate=evaluate,
-                         eval_every_s=eval_every_s, poll_s=poll_s, heterogeneity=heterogeneity)
+    def __init__(self, model, params, *, stage_config=None, merge_weight: Optional[Fraction] = None,
+                 **kwargs):
+        for ignored in ("profile_steps", "planner_config", "drift_config", "staleness"):
+            kwargs.pop(ignored, None)   # nothing to profile, plan or damp
+        super().__init__(model, params, staleness="none", stage_config=single_stage(stage_config),
+                         drift_config=DriftConfig(enabled=False), **kwargs)
         self.merge_weight = Fraction(1) if merge_weight is None else Fraction(merge_weight)
-
-    @property
-    def stage_label(self) -> str:
-        return "DONE" if self.finished or self.stage == Stage.DONE else "TRAIN"
 
     def local_steps_target(self) -> int:
         return self.local_steps_per_commit
@@ -75,24 +64,13 @@ class PSBaseline(AshlStrategy):
                             reason=f"{self.name}: fixed plan, H={self.local_steps_per_commit}, "
                                    f"merge weight {self.merge_weight}")
         if self.is_server:
-            flat = torch.empty(self.numel, dtype=torch.float32)
-            kernels.pack_delta(self.anchors, [torch.zeros_like(a) for a in self.anchors], flat)
-            self._start_server(flat)
+            self._start_server(self.flat_model(self.anchors))
             with self.mc.lock:
                 self.mc.coordinator.start(plan, self.run_stage, reason=plan.reason)
             self.server.start()
         self.mc.plan = plan
-        self._apply_plan(plan)
         self.stage = self.run_stage
-        self.timeline.instant("plan", version=plan.version, H=self.local_steps_per_commit)
-
-    def counters(self) -> dict:
-        c = super().counters()
-        c["stop_reason"] = None
-        if self.is_server:
-            with self.mc.lock:
-                c["stop_reason"] = self.mc.coordinator.machine.stop_reason
-        return c
+        self.adopt_plan(plan)
 
 
 class SspStrategy(PSBaseline):

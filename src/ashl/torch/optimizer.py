@@ -83,11 +83,15 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: Optional[torch
         local steps, each round ending in one hvd.allreduce_), or a baseline: "bsp"
         (Horovod's own DistributedOptimizer underneath), "localsgd", "ssp", "asp", "adsp"
         (see ashl.strategies).
-    compression: force a compressor for SHL (default: top-k at each rank's planned ratio).
+    compression: force a compressor for every commit: ``Compression.none``, ``.fp16`` or
+        ``.topk(ratio)`` (Horovod's ``hvd.Compression.none``/``.fp16`` are taken too). Default:
+        the plan's (dense in AHL, top-k at each rank's planned ratio in SHL). The
+        parameter-server strategies take all three; "bsp" none and fp16 (Horovod's, on the
+        gradients); "ashl-sync" and "localsgd" only none. Others raise a ValueError.
     staleness: SHL's bound s (a rank at most s commits ahead of the slowest); strategy
         "ssp": its bound.
     config: strategy options (profile_steps, staleness_fn="polynomial(0.5)", server_rank,
-        planner_config, stage_config, drift_config, evaluate, eval_every_s).
+        planner_config, stage_config, drift_config, evaluate, eval_every_s, heterogeneity).
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -104,18 +108,16 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: Optional[torch
     if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
         raise ValueError(f"staleness must be an integer >= 0, got {staleness!r}")
     kwargs = dict(config)
-    if strategy == "ashl":
-        if "staleness_fn" in kwargs:
-            kwargs["staleness"] = kwargs.pop("staleness_fn")
-        kwargs.update(compression=compression, bound=staleness)
-    elif "staleness_fn" in kwargs or compression not in (None,) and compression.ratio < 1.0:
-        raise ValueError(f"staleness_fn and sparse compression apply to strategy='ashl', "
-                         f"not {strategy!r} (its rounds are synchronous and dense)")
-    elif strategy == "ssp":
-        kwargs.update(bound=staleness)
-    engine = make_strategy(strategy, model, params, sampler=sampler, **kwargs)
+    if "staleness_fn" in kwargs:
+        if strategy != "ashl":
+            raise ValueError(f"staleness_fn applies to strategy='ashl', not {strategy!r}")
+        kwargs["staleness"] = kwargs.pop("staleness_fn")
+    if strategy in ("ashl", "ssp"):
+        kwargs["bound"] = staleness
+    engine = make_strategy(strategy, model, params, sampler=sampler, compression=compression,
+                           **kwargs)
     if strategy == "bsp":
-        wrapped = _wrap_horovod(optimizer, model, named_parameters)
+        wrapped = _wrap_horovod(optimizer, model, named_parameters, engine.horovod_compression)
     else:
         cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                    dict(_DistributedOptimizer.__dict__))
@@ -126,7 +128,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: Optional[torch
     return wrapped
 
 
-def _wrap_horovod(optimizer: torch.optim.Optimizer, model, named_parameters):
+def _wrap_horovod(optimizer: torch.optim.Optimizer, model, named_parameters, compression):
     """Strategy "bsp": ``hvd.DistributedOptimizer(optimizer, named_parameters=...)`` itself
     (gradient allreduce hooks, synchronize() in step()), with ashl's methods added so step()
     still reports to the strategy.
@@ -144,7 +146,8 @@ def _wrap_horovod(optimizer: torch.optim.Optimizer, model, named_parameters):
 
     if named_parameters is None and model is not None:
         named_parameters = list(model.named_parameters())
-    inner = hvd.DistributedOptimizer(optimizer, named_parameters=named_parameters)
+    inner = hvd.DistributedOptimizer(optimizer, named_parameters=named_parameters,
+                                     compression=compression)
     if type(inner).__dict__.get("synchronize") is not _HorovodOptimizer.synchronize:
         raise RuntimeError("strategy 'bsp' needs Horovod's allreduce optimizer (op=Average, "
                            "not Adasum)")

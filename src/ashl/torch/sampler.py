@@ -7,8 +7,7 @@ permutation of the dataset: each sample is used once per global epoch.
 
 Shares change when the plan changes. A change never touches an iteration already running
 (its indices are fixed when it starts); it applies from the next epoch boundary, or from an
-explicit epoch (`set_shares(shares, epoch=plan.shares_from_epoch)`) so that every rank
-switches at the same epoch even though plans reach them at different times.
+explicit epoch (`set_shares(shares, epoch=e)`).
 """
 from __future__ import annotations
 

@@ -6,12 +6,11 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "mpi"))
 from _util import mpi_env, skip_reason  # noqa: E402
 
 pytestmark = [pytest.mark.mpi, pytest.mark.skipif(skip_reason() is not None,
                                                   reason=str(skip_reason()))]
-SCRIPT = Path(__file__).resolve().parent / "soak" / "termination_stress.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "soak" / "termination_stress.py"
 
 
 def test_short_jobs_of_every_strategy_all_end_cleanly():

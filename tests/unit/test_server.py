@@ -8,7 +8,7 @@ import torch
 from ashl.compression import Compression
 from ashl.coordinator import Coordinator
 from ashl.planner import RankProfile
-from ashl.protocol import DType, Flag, Header, Kind, ProtocolError, StageCode
+from ashl.protocol import DType, Flag, Header, Kind, ProtocolError
 from ashl.server import ParameterServer
 from ashl.staleness import parse_staleness
 from ashl.stages import Stage, StageConfig
@@ -40,7 +40,7 @@ def server(n_ranks=3, stage=Stage.AHL, staleness="none", bound=3, **stage_kw):
 
 def dense(rank, values, stage=Stage.AHL, base=0, commit=0, flags=Flag(0)):
     payload = torch.as_tensor(values, dtype=torch.float32).contiguous()
-    h = Header(kind=Kind.DENSE_DELTA, rank=rank, stage=StageCode[stage.value], commit=commit,
+    h = Header(kind=Kind.DENSE_DELTA, rank=rank, stage=stage, commit=commit,
                base_version=base, plan_version=1, dtype=DType.FLOAT32, numel=N, flags=flags,
                step_s=0.01, loss=1.0)
     return h, payload.view(torch.uint8)
@@ -50,7 +50,7 @@ def sparse(rank, idx, vals, stage=Stage.AHL, base=0):
     idx = torch.as_tensor(idx, dtype=torch.int32)
     vals = torch.as_tensor(vals, dtype=torch.float32)
     raw = torch.cat([idx.view(torch.uint8), vals.view(torch.uint8)])
-    h = Header(kind=Kind.SPARSE_DELTA, rank=rank, stage=StageCode[stage.value], base_version=base,
+    h = Header(kind=Kind.SPARSE_DELTA, rank=rank, stage=stage, base_version=base,
                plan_version=1, dtype=DType.FLOAT32, numel=N, nnz=len(idx), step_s=0.01, loss=1.0)
     return h, raw
 
@@ -96,7 +96,7 @@ def test_topk_at_ratio_one_gives_the_same_model_as_dense():
     for i, d in enumerate(deltas):
         a.handle(*dense(i % 3, d, base=i))
         payload = Compression.topk(1.0, dense_when_cheaper=False).compress(d.clone())
-        h = Header(kind=payload.kind, rank=i % 3, stage=StageCode.AHL, base_version=i,
+        h = Header(kind=payload.kind, rank=i % 3, stage=Stage.AHL, base_version=i,
                    plan_version=1, dtype=payload.dtype, numel=N, nnz=payload.nnz if payload.sparse else 0,
                    step_s=0.01, loss=1.0)
         b.handle(h, payload.buffer)

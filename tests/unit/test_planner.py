@@ -14,7 +14,7 @@ from ashl.planner import (AHL, SHL, Plan, PlannerConfig, RankProfile, largest_re
                           load_profile_document, make_plan, payload_fraction,
                           profiles_from_columns, push_seconds, round_local_steps)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "profile.example.json"
 
 
@@ -199,7 +199,7 @@ def test_bad_config():
 
 
 def test_plan_json_round_trip_and_frozen():
-    plan = make_plan(reference_profiles(), version=3, shares_from_epoch=2, reason="test")
+    plan = make_plan(reference_profiles(), version=3, reason="test")
     again = Plan.from_json(plan.to_json())
     assert again == plan
     assert json.loads(plan.to_json())["stages"][SHL]["shares"][0] == "1/2"

@@ -16,7 +16,8 @@ EPS32 = 2.0 ** -24  # unit roundoff of fp32
 HAS_CUDA = torch.cuda.is_available()
 DEVICES = [
     "cpu",
-    pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA, reason="CUDA is not available")),
+    pytest.param("cuda", marks=[pytest.mark.cuda,
+                                pytest.mark.skipif(not HAS_CUDA, reason="CUDA is not available")]),
 ]
 SENTINEL = -777.0
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "mpi"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "mpi"))
 import _util  # noqa: E402
 
 from ashl import netns  # noqa: E402

@@ -8,12 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "mpi"))
 from _util import mpi_env, mpirun, skip_reason  # noqa: E402
 
 pytestmark = [pytest.mark.mpi, pytest.mark.skipif(skip_reason() is not None,
                                                   reason=str(skip_reason()))]
-SCRIPT = Path(__file__).resolve().parent / "mpi" / "fault_run.py"
+SCRIPT = Path(__file__).resolve().parent / "fault_run.py"
 
 
 def launch(np_, *args, timeout=120):

@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, strategies as st
 
 from ashl import kernels, protocol as P
+from ashl.stages import Stage
 from ashl.compression import (Compression, FP16Compressor, NoneCompressor, Payload, Residual,
                               TopKCompressor)
 
@@ -199,7 +200,7 @@ def test_payload_over_the_wire_format():
     d = torch.randn(2000)
     for comp in (Compression.none, Compression.fp16, Compression.topk(0.02)):
         p = comp.compress(d)
-        h = P.Header(rank=1, stage=P.StageCode.SHL, link_ratio=comp.ratio, **p.header_fields())
+        h = P.Header(rank=1, stage=Stage.SHL, link_ratio=comp.ratio, **p.header_fields())
         h2 = P.decode(P.encode(h), world_size=2, model_numel=2000)
         assert h2.payload_nbytes == p.nbytes
         raw = p.buffer.clone()   # what the receiver's buffer holds
@@ -209,4 +210,68 @@ def test_payload_over_the_wire_format():
             i, v = P.sparse_views(h2, raw)
             assert torch.equal(i, p.indices) and torch.equal(v, p.values)
     with pytest.raises(ValueError):
-        Payload.from_message(P.Header(P.Kind.PULL, rank=0), torch.zeros(0, dtype=torch.uint8))
+        Payload.from_message(P.Header(P.Kind.REPLY, rank=0), torch.zeros(0, dtype=torch.uint8))
+
+
+# --- pack: the one commit path every compressor takes ------------------------------------------
+
+def _model(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    params = [torch.randn(s, generator=g) for s in ((7, 3), (1,), (130,))]
+    anchors = [p + torch.randn(p.shape, generator=g) for p in params]
+    return params, anchors
+
+
+@pytest.mark.parametrize("comp", [Compression.none, Compression.fp16, Compression.topk(0.1),
+                                  Compression.topk(0.9)], ids=repr)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_pack_is_pack_delta_then_compress(comp, with_residual):
+    params, anchors = _model()
+    n = kernels.flat_numel(params)
+    res_a = Residual(params) if with_residual else None
+    res_b = Residual(params) if with_residual else None
+    if with_residual:
+        res_a.flat.copy_(torch.linspace(-1, 1, n))
+        res_b.flat.copy_(res_a.flat)
+    scratch = torch.full((n,), 99.0)
+    out = torch.empty(comp.max_nbytes(n), dtype=torch.uint8)
+    got = comp.pack(params, anchors, res_a, scratch, out)
+    delta = torch.cat([(p - a).reshape(-1) for p, a in zip(params, anchors)])
+    if with_residual:
+        delta += res_b.flat
+    want = comp.compress(delta.clone(), res_b)
+    assert (got.kind, got.dtype, got.numel, got.nnz) == (want.kind, want.dtype, want.numel, want.nnz)
+    assert torch.equal(got.buffer, want.buffer)
+    if with_residual:
+        assert torch.equal(res_a.flat, res_b.flat)
+        # what was sent plus what is kept is the whole delta: nothing is lost
+        assert torch.allclose(got.to_dense() + res_a.flat, delta, atol=1e-6)
+
+
+def test_dense_pack_writes_the_wire_buffer_directly():
+    params, anchors = _model(1)
+    n = kernels.flat_numel(params)
+    out = torch.empty(4 * n + 16, dtype=torch.uint8)
+    payload = Compression.none.pack(params, anchors, None, None, out)   # no scratch needed
+    assert payload.buffer.data_ptr() == out.data_ptr()
+    assert torch.equal(payload.values, torch.cat([(p - a).reshape(-1) for p, a in zip(params, anchors)]))
+
+
+def test_check_compression_maps_horovod_and_refuses_what_a_strategy_cannot_send():
+    from ashl.compression import check_compression
+
+    class NoneCompressor:          # the names of horovod.torch.compression's classes
+        pass
+
+    class FP16Compressor:
+        pass
+
+    assert check_compression(None, "ashl", ("none",)) is None
+    assert check_compression(NoneCompressor, "ashl", ("none", "fp16")) is Compression.none
+    assert check_compression(FP16Compressor, "bsp", ("none", "fp16")) is Compression.fp16
+    assert check_compression(Compression.topk(0.1), "ashl", ("topk",)).ratio == 0.1
+    with pytest.raises(ValueError, match=r"strategy 'localsgd' cannot send with compression="
+                                         r"Compression.fp16 \(it takes none\)"):
+        check_compression(Compression.fp16, "localsgd", ("none",))
+    with pytest.raises(ValueError, match="not a compressor ashl knows"):
+        check_compression("gzip", "ashl", ("none",))

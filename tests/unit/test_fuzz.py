@@ -42,7 +42,7 @@ def test_sparse_merge_from_untrusted_indices_and_values(indices, values, weight)
 def test_atheris_over_decoder_and_sparse_merge():
     if importlib.util.find_spec("atheris") is None:
         pytest.skip("atheris is not installed (make bootstrap installs it where it builds)")
-    script = Path(__file__).resolve().parent / "soak" / "fuzz_atheris.py"
+    script = Path(__file__).resolve().parents[1] / "soak" / "fuzz_atheris.py"
     proc = subprocess.run([sys.executable, str(script), "-runs=50000", "-seed=1"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -7,7 +7,7 @@ import pytest
 
 from ashl.hostfile import Host, HostfileError, parse_hostfile
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_example_parses():

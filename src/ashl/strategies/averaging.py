@@ -1,0 +1,173 @@
+"""Synchronous model averaging over Horovod: ``ashl-sync`` and ``localsgd``.
+
+A round on rank i: H_i local steps (the plan's), then
+
+    flat[:numel] = w_i * (params - anchors)          # kernels.pack_delta, one fused pass
+    flat[numel:] = this rank's control slots          # control.py
+    hvd.allreduce_(flat, op=hvd.Sum)                  # the only message of the round
+    anchors += flat[:numel]; params = anchors         # kernels.unpack_add, one fused pass
+
+so every rank ends the round holding the same model ``anchor + sum_i w_i delta_i`` (w_i: the
+plan's merge weights of the stage). There is no coordinator at run time: every rank owns a
+StageMachine and feeds it the same allreduced control numbers (``control.decide``), so all
+ranks switch AHL -> SHL and stop on the same round. The control rank (0) evaluates the
+merged model after a round; the accuracy travels in the next round's slots, and if the run
+stops on it every rank keeps the evaluated model (that round's deltas are dropped), so the
+model a user ends with is the one that met the target. A merged delta with NaN/Inf is dropped
+on every rank (all see the same sum), counted in ``rejected``.
+
+A rank that calls ``finish()`` before the run has ended does one last round with its partial
+delta and PRESENT=0; the others meet it at their own allreduce and all stop on that round.
+Stop decisions only ever come from allreduced numbers, so no rank can be left waiting in an
+allreduce nobody else joins. ``finish()`` then broadcasts rank 0's model (ranks hold the same
+model already; this removes any last-bit difference a reduction might leave).
+
+Horovod must be initialised by the user on the same world: ``hvd.init(comm=MPI.COMM_WORLD)``.
+A subclass supplies the plan and the merge weight.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional
+
+import torch
+
+from .. import kernels
+from ..compression import check_compression
+from ..coordinator import DriftConfig, MPICoordinator
+from ..planner import PlannerConfig
+from ..stages import Stage, StageConfig, StageMachine
+from .base import Strategy
+from .control import ControlSlots, decide, idle_seconds
+from .model_state import verify_same_model
+from .runtime import horovod, world_comm
+
+log = logging.getLogger("ashl")
+
+_ALLREDUCE_NAME = "ashl.averaging.round"
+_FINAL_NAME = "ashl.averaging.final"
+
+
+class ModelAveragingStrategy(Strategy):
+    """Rounds that end in one allreduce of weighted deltas and the control slots."""
+
+    accepts_compression = ("none",)
+
+    def __init__(self, model, params, *, sampler=None, comm=None, compression=None,
+                 planner_config: Optional[PlannerConfig] = None,
+                 stage_config: Optional[StageConfig] = None,
+                 drift_config: Optional[DriftConfig] = None,
+                 evaluate=None, eval_every_s: float = 2.0, heterogeneity=None, hvd=None):
+        world = world_comm(comm)
+        super().__init__(model, params, comm=world, sampler=sampler, heterogeneity=heterogeneity,
+                         evaluate=evaluate, eval_every_s=eval_every_s, control_rank=0)
+        check_compression(compression, self.name, self.accepts_compression)
+        verify_same_model(world, self.names, self.tensors)
+        self.hvd = horovod(self.name, world) if hvd is None else hvd
+        self.t0 = time.monotonic()           # the control rank's copy is the run's clock
+        self.mc = MPICoordinator(world, root=0, planner_config=planner_config,
+                                 stage_config=stage_config, drift_config=drift_config)
+        self.stage_config = StageConfig() if stage_config is None else stage_config
+        self._machine = StageMachine(self.size, self.stage_config, start_time=0.0)
+        self.slots = ControlSlots(self.size)
+        self.flat = torch.zeros(self.numel + self.slots.count, dtype=torch.float32,
+                                device=self.tensors[0].device)
+        self.anchors: Optional[list[torch.Tensor]] = None
+        self.plan_t = 0.0                    # seconds since t0 when the plan was made
+        self.pending_accuracy: Optional[float] = None   # control rank: not yet sent
+        self.idle_s = 0.0
+        self._round_start = time.perf_counter()   # for the busy slot
+
+    # ---------------------------------------------------------------- what differs
+    def merge_weight(self, stage: Stage) -> float:
+        raise NotImplementedError
+
+    def machine(self) -> StageMachine:
+        return self._machine
+
+    def adopt_plan(self, plan) -> None:
+        super().adopt_plan(plan)
+        self._round_start = time.perf_counter()   # profiling collectives are not round work
+
+    def _give_shares(self) -> None:
+        """The sampler's shares and the global loss's weights D_i move together."""
+        super()._give_shares()
+        self._machine.set_weights(self.plan.stage(self.stage.planned).shares)
+
+    # ----------------------------------------------------------------------- the round
+    def _start(self) -> None:
+        self.anchors = [t.detach().clone() for t in self.tensors]
+
+    def _exchange(self, final: bool = False) -> None:
+        """End this rank's round: one allreduce, then the same decisions on every rank."""
+        start, stage, steps = time.time(), self.stage, self.round_steps
+        delta, control = self.flat[:self.numel], self.flat[self.numel:]
+        busy = time.perf_counter() - self._round_start
+        kernels.pack_delta(self.tensors, self.anchors, delta, scale=self.merge_weight(stage))
+        control.copy_(self.slots.encode(
+            self.rank, loss=self.loss.commit(), busy=busy, control=self.rank == 0,
+            elapsed=time.monotonic() - self.t0, plan_t=self.plan_t,
+            accuracy=self.pending_accuracy, present=not final))
+        self.pending_accuracy = None
+        # An emulated slow link delays this rank's contribution; the allreduce then ends no
+        # sooner than the slowest rank's data arrives, as on a real network.
+        self.hetero.depart(4 * self.flat.numel())
+        self.hvd.allreduce_(self.flat, op=self.hvd.Sum, name=_ALLREDUCE_NAME)
+        self.bytes_sent += 4 * self.flat.numel()
+        self.commits += 1
+        self.round_steps = 0
+        self.clock.new_round()
+        reading = self.slots.decode(control)
+        decide(self._machine, reading)
+        merged = self._merge(reading)
+        self.idle_s += idle_seconds(reading.busy, self.rank)
+        self.round_span(start, steps=steps, stage=stage.value, round=self.commits,
+                        bytes=4 * self.flat.numel(), accepted=merged)
+        if reading.accuracy is not None:
+            self.timeline.instant("eval", accuracy=reading.accuracy)
+        self._follow(self._machine.stage, self._machine.stop_reason)
+        if self.rank == 0 and not self.finished:
+            self.pending_accuracy = self.evaluations.maybe()
+        self._round_start = time.perf_counter()
+
+    def _merge(self, reading) -> bool:
+        """anchors += the summed deltas; params = anchors. Not when the run stops on an
+        accuracy measured on the anchors (keep the model that met the target), nor when the
+        sum holds NaN/Inf (every rank drops it)."""
+        delta = self.flat[:self.numel]
+        target = self.stage_config.target_accuracy
+        keep_evaluated = (self._machine.done and reading.accuracy is not None
+                          and target is not None and reading.accuracy >= target)
+        finite = bool(torch.isfinite(delta).all())
+        if not finite:
+            self.rejected += 1
+            log.warning("%s: round %d merged a non-finite delta; every rank drops it",
+                        self.name, self.commits)
+        if keep_evaluated or not finite:
+            delta.zero_()
+        kernels.unpack_add(self.tensors, self.anchors, delta)
+        return finite and not keep_evaluated
+
+    # ------------------------------------------------------------------------- the end
+    def _final_model(self) -> None:
+        final = self.flat[:self.numel]
+        kernels.pack_delta(self.anchors, [torch.zeros_like(a) for a in self.anchors], final)
+        self.hvd.broadcast_(final, root_rank=0, name=_FINAL_NAME)
+        kernels.unpack_assign(self.tensors, self.anchors, final)
+
+    def _close(self) -> None:
+        self.mc.close()
+
+    def save_checkpoint(self, path: str, optimizer) -> None:
+        raise NotImplementedError(f"strategy {self.name!r} does not checkpoint yet; "
+                                  "use strategy 'ashl'")
+
+    def load_checkpoint(self, path: str, optimizer) -> None:
+        raise NotImplementedError(f"strategy {self.name!r} does not checkpoint yet; "
+                                  "use strategy 'ashl'")
+
+    def counters(self) -> dict:
+        c = super().counters()
+        c.update(rounds=self.commits, idle_s=self.idle_s)
+        return c

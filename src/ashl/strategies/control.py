@@ -1,0 +1,100 @@
+"""The control numbers a synchronous round allreduces beside its data, and the decisions every
+rank takes from them: the same numbers in, the same stage and stop out, on every rank, with no
+extra message. Used by ``ashl-sync`` and ``localsgd`` (slots behind the model in the round's
+one allreduce) and by ``bsp`` (a small allreduce of its own).
+
+Slots (``ControlSlots.count`` floats):
+
+    LOSS[r], HAS_LOSS[r]   rank r's running loss (RunningLoss.commit()) and a presence flag
+    BUSY[r]                rank r's seconds of work since its previous exchange (the idle
+                           estimate; not a decision input)
+    ELAPSED, PLAN_T        the control rank's seconds since the strategy started / when the
+                           plan was made (the run's clock)
+    ACC, HAS_ACC           the control rank's latest evaluation accuracy, new this round
+    PRESENT                1 from every rank still training (a rank leaving early sends 0;
+                           one in ``hvd.join()`` contributes nothing)
+
+Every slot has exactly one nonzero contributor, so its sum is exact whatever order the MPI
+reduction adds in: all ranks read bit-identical numbers. ``decide`` feeds them, in the same
+order on every rank, to that rank's own StageMachine.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from ..stages import Stage, StageMachine
+
+__all__ = ["ControlSlots", "ControlReading", "decide", "idle_seconds"]
+
+
+@dataclass(frozen=True)
+class ControlReading:
+    """What one allreduce of the control slots says, identical on every rank."""
+
+    losses: tuple[Optional[float], ...]
+    busy: tuple[float, ...]
+    now: float
+    plan_t: float
+    accuracy: Optional[float]
+    present: int
+
+
+class ControlSlots:
+    """The layout of the control slots of a `size`-rank run."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.count = 3 * size + 5
+
+    def encode(self, rank: int, *, loss: Optional[float], busy: float, control: bool,
+               elapsed: float = 0.0, plan_t: float = 0.0, accuracy: Optional[float] = None,
+               present: bool = True) -> torch.Tensor:
+        """This rank's contribution (float64; the control rank's clock and accuracy only
+        when `control`)."""
+        n, v = self.size, torch.zeros(self.count, dtype=torch.float64)
+        if loss is not None and math.isfinite(loss):
+            v[rank], v[n + rank] = loss, 1.0
+        v[2 * n + rank] = busy
+        if control:
+            v[3 * n], v[3 * n + 1] = elapsed, plan_t
+            if accuracy is not None:
+                v[3 * n + 2], v[3 * n + 3] = accuracy, 1.0
+        v[3 * n + 4] = 1.0 if present else 0.0
+        return v
+
+    def decode(self, summed: torch.Tensor) -> ControlReading:
+        n, v = self.size, summed.to(torch.float64).tolist()
+        return ControlReading(
+            losses=tuple(v[r] if v[n + r] > 0 else None for r in range(n)),
+            busy=tuple(v[2 * n:3 * n]), now=v[3 * n], plan_t=v[3 * n + 1],
+            accuracy=v[3 * n + 2] if v[3 * n + 3] > 0 else None,
+            present=int(round(v[3 * n + 4])))
+
+
+def decide(machine: StageMachine, reading: ControlReading, commits_per_rank: int = 1,
+           training_reason: str = "profiling finished, plan ready") -> Stage:
+    """The same decisions on every rank: training starts at the plan's time, every rank's
+    commits count (commit budgets are rounds x size), an accuracy is an evaluation, a rank
+    that left stops the run, and the clock checks the time budgets."""
+    now = reading.now
+    if machine.stage is Stage.PROFILE:
+        machine.begin_training(reading.plan_t, reason=training_reason)
+    for rank, loss in enumerate(reading.losses):
+        for _ in range(commits_per_rank):
+            machine.commit(rank, now, loss)
+    if reading.accuracy is not None:
+        machine.evaluation(now, accuracy=reading.accuracy)
+    gone = machine.n_ranks - reading.present
+    if gone > 0:
+        machine.stop(now, f"{gone} rank(s) called finish() before the run ended")
+    machine.tick(now)
+    return machine.stage
+
+
+def idle_seconds(busy: Sequence[float], rank: int) -> float:
+    """How long `rank` waited in the allreduce for the busiest rank (an estimate)."""
+    return max(0.0, max(busy) - busy[rank])

@@ -1,0 +1,266 @@
+"""Strategies that train through the parameter server: ``ashl``, ``ssp``, ``asp``, ``adsp``.
+
+How they communicate: after its round a rank packs its delta (params - anchors, plus any
+error-feedback residual) through a ``Compressor`` into the send buffer and commits it with
+``client.ServerClient``; the server thread on ``server_rank`` merges it into the global model
+(``server.ParameterServer``: merge weight x staleness damping, non-finite guard, SHL's
+staleness bound) and answers with the global model, which becomes the rank's parameters and
+anchors. Stage and stop decisions are the server's coordinator's; they reach a rank with the
+reply to its commit. The server rank evaluates after its own commits.
+
+A subclass supplies the plan (profiled for ``ashl``, fixed for the baselines) and when a
+round ends.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional
+
+import torch
+
+from .. import checkpoint, kernels
+from ..client import Commit, Reply, ServerClient
+from ..compression import Compression, Compressor, Residual, check_compression
+from ..coordinator import DriftConfig, MPICoordinator
+from ..planner import Plan, PlannerConfig
+from ..server import ParameterServer, ServerThread
+from ..stages import Stage, StageConfig
+from .base import Strategy
+from .model_state import verify_same_model
+from .runtime import world_comm
+
+log = logging.getLogger("ashl")
+
+
+class ServerStrategy(Strategy):
+    """The commit, the reply, the server thread, the end and checkpoints of a run on the
+    parameter server."""
+
+    accepts_compression = ("none", "fp16", "topk")
+
+    def __init__(self, model, params, *, sampler=None, comm=None, compression=None,
+                 staleness: str = "polynomial(0.5)", bound: int = 3, server_rank: int = 0,
+                 downlink: torch.dtype = torch.float32,
+                 planner_config: Optional[PlannerConfig] = None,
+                 stage_config: Optional[StageConfig] = None,
+                 drift_config: Optional[DriftConfig] = None,
+                 evaluate=None, eval_every_s: float = 2.0, poll_s: float = 2e-4,
+                 heterogeneity=None):
+        world = world_comm(comm)
+        super().__init__(model, params, comm=world, sampler=sampler, heterogeneity=heterogeneity,
+                         evaluate=evaluate, eval_every_s=eval_every_s, control_rank=server_rank)
+        verify_same_model(world, self.names, self.tensors)
+        self.server_rank = server_rank
+        self.compression = check_compression(compression, self.name, self.accepts_compression)
+        self.mc = MPICoordinator(world, root=server_rank, planner_config=planner_config,
+                                 stage_config=stage_config, drift_config=drift_config)
+        self.wire = world.Dup()              # commits and replies: a tag space of their own
+        self.client = ServerClient(self.wire, server_rank, self.rank, self.numel,
+                                   heterogeneity=self.hetero, poll_s=poll_s,
+                                   server_error=self._server_error)
+        self.staleness, self.bound, self.downlink = staleness, bound, downlink
+        self.poll_s = poll_s
+        self.anchors: Optional[list[torch.Tensor]] = None
+        self.residual = Residual(self.tensors) if all(
+            t.dtype == torch.float32 for t in self.tensors) else None
+        self.send_buf = torch.empty(0, dtype=torch.uint8)
+        self.scratch: Optional[torch.Tensor] = None  # fp32 delta for compressors that need it
+        self.server: Optional[ServerThread] = None
+        self.version = 0                     # global version of the model we hold
+        self._resume: Optional[dict] = None
+
+    # ------------------------------------------------------------------------ reading
+    @property
+    def is_server(self) -> bool:
+        return self.rank == self.server_rank
+
+    def machine(self):
+        return self.mc.coordinator.machine if self.is_server else None
+
+    @property
+    def stop_reason(self) -> Optional[str]:
+        if self.is_server:
+            with self.mc.lock:
+                return self.mc.coordinator.machine.stop_reason
+        return self._stop_reason
+
+    @property
+    def global_commits(self) -> Optional[int]:
+        if not self.is_server:
+            return None
+        with self.mc.lock:
+            return self.mc.coordinator.machine.commits
+
+    def compressor(self) -> Compressor:
+        """The user's (every commit), else the plan's: top-k at this rank's ratio R_i of the
+        stage (the default plan: dense in AHL, R_i < 1 in SHL), with error feedback, so only
+        where the parameters are fp32; dense otherwise."""
+        if self.compression is not None:
+            return self.compression
+        ratio = self.plan.ratio(self.rank, self.stage.planned) if self.plan else 1.0
+        if ratio < 1.0 and self.residual is not None:
+            return Compression.topk(ratio)
+        return Compression.none
+
+    def _server_error(self) -> Optional[BaseException]:
+        return None if self.server is None else self.server.error
+
+    # ----------------------------------------------------------------------- the round
+    def _start(self) -> None:
+        # The model as broadcast before training: the anchor of the first delta and, on
+        # the server rank, the first global model.
+        self.anchors = [t.detach().clone() for t in self.tensors]
+        if self._resume is not None:
+            self._start_from_checkpoint()
+
+    def _start_server(self, model: torch.Tensor) -> None:
+        server = ParameterServer(model, self.size, self.mc.coordinator, rank=self.rank,
+                                 staleness=self.staleness, bound=self.bound,
+                                 downlink=self.downlink)
+        self.server = ServerThread(server, self.wire, poll_s=self.poll_s, lock=self.mc.lock)
+
+    def _exchange(self, final: bool = False) -> None:
+        if self.server is not None and self.server.error is not None:
+            raise RuntimeError("the parameter server failed") from self.server.error
+        start = time.time()
+        stage, steps = self.stage, self.round_steps
+        payload = self._pack(self.compressor())
+        reply = self.client.commit(payload, Commit(
+            stage=stage, number=self.commits, base_version=self.version,
+            plan_version=self.plan.version, epoch=self.current_epoch(), local_steps=steps,
+            step_s=self.clock.round_mean(), loss=self.loss.commit(), final=final))
+        self.bytes_sent += reply.bytes_sent
+        self.commits += 1
+        self.round_steps = 0
+        self.clock.new_round()
+        self._absorb(reply)
+        self.round_span(start, steps=steps, stage=stage.value, bytes=reply.bytes_sent,
+                        accepted=reply.accepted, version=self.version)
+        self._evaluate()
+
+    def _pack(self, compressor: Compressor):
+        need = compressor.max_nbytes(self.numel)
+        if self.send_buf.numel() < need:
+            self.send_buf = torch.empty(need, dtype=torch.uint8)
+        if compressor is not Compression.none and self.scratch is None:
+            self.scratch = torch.empty(self.numel, dtype=torch.float32)
+        return compressor.pack(self.tensors, self.anchors, self.residual, self.scratch,
+                               self.send_buf)
+
+    def _absorb(self, reply: Reply) -> None:
+        """The reply: the global model becomes params and anchors; a plan, a rejection, a
+        stage change or a stop is taken on."""
+        if reply.model is not None:
+            kernels.unpack_assign(self.tensors, self.anchors, reply.model)
+        if reply.plan is not None:
+            self.adopt_plan(reply.plan)
+        if not (reply.accepted or reply.stop):
+            self.rejected += 1
+            if self.residual is not None:
+                self.residual.zero_()   # error feedback of a rejected delta is garbage too
+            self.clear_nonfinite_optimizer_state()
+            log.warning("rank %d: commit %d was rejected by the server; resuming from the "
+                        "global model", self.rank, self.commits - 1)
+        self.version = reply.version
+        self._follow(Stage.DONE if reply.stop else reply.stage,
+                     "the server ended the run" if reply.stop else None)
+
+    def _evaluate(self) -> None:
+        """Server rank: the evaluation callback on the model just received; a target met
+        stops the run (the server thread answers the ranks it holds back)."""
+        if self.finished:
+            return
+        accuracy = self.evaluations.maybe()
+        if accuracy is None:
+            return
+        with self.mc.lock:
+            self.mc.coordinator.on_evaluation(accuracy=accuracy)
+            done = self.mc.coordinator.machine.done
+        if done:
+            self.server.request_stop("evaluation reached the target")
+        self.timeline.instant("eval", accuracy=accuracy)
+
+    # ------------------------------------------------------------------------- the end
+    def _final_model(self) -> None:
+        """The server's final global model on every rank, and why the run ended."""
+        final = torch.empty(self.numel, dtype=torch.float32)
+        if self.server is not None:
+            self.server.join()
+            final.copy_(self.server.server.model)
+        self.wire.Bcast(final.numpy(), root=self.server_rank)
+        kernels.unpack_assign(self.tensors, self.anchors, final)
+        reason = self.wire.bcast(self.stop_reason if self.is_server else None,
+                                 root=self.server_rank)
+        self._stop_reason = reason or self._stop_reason
+
+    def _close(self) -> None:
+        self.mc.close()
+        self.wire.Free()
+
+    # --------------------------------------------------------------------- checkpoints
+    def save_checkpoint(self, path: str, optimizer) -> None:
+        """Not collective: the server rank writes the run (global model, plan, stage,
+        counters) to ``path``; every rank writes its optimizer state to ``path.rank<r>``."""
+        if self.plan is None:
+            raise RuntimeError("nothing to checkpoint before profiling has produced a plan")
+        if self.is_server:
+            with self.mc.lock:
+                run = {"format": checkpoint.FORMAT, "strategy": self.name, "size": self.size,
+                       "numel": self.numel, "global_model": self.server.server.model.clone(),
+                       "version": self.server.server.version,
+                       "plan": self.mc.coordinator.plan.to_dict(),
+                       "stage": self.mc.coordinator.stage.value,
+                       "commits": self.mc.coordinator.machine.commits}
+            checkpoint.atomic_save(run, path)
+        own = {"format": checkpoint.FORMAT, "rank": self.rank, "optimizer": optimizer.state_dict(),
+               "counters": self.counters(), "epoch": self.current_epoch(),
+               "residual": None if self.residual is None else self.residual.flat.clone()}
+        checkpoint.atomic_save(own, checkpoint.rank_path(path, self.rank))
+
+    def load_checkpoint(self, path: str, optimizer) -> None:
+        """Before the first step: continue the run saved at ``path`` (every rank)."""
+        if self.started:
+            raise RuntimeError("load_checkpoint must be called before the first step()")
+        run = checkpoint.load(path)
+        if run.get("size") != self.size:
+            raise ValueError(f"checkpoint {path} is of a {run.get('size')}-rank run; "
+                             f"this job has {self.size} ranks")
+        if run.get("numel") != self.numel:
+            raise ValueError(f"checkpoint {path} holds a model of {run.get('numel')} elements; "
+                             f"this model has {self.numel}")
+        own = checkpoint.load(checkpoint.rank_path(path, self.rank))
+        optimizer.load_state_dict(own["optimizer"])
+        kernels.unpack_assign(self.tensors, [t.clone() for t in self.tensors],
+                              run["global_model"])
+        if self.residual is not None and own.get("residual") is not None:
+            self.residual.flat.copy_(own["residual"])
+        counters = own.get("counters", {})
+        self.local_steps = int(counters.get("local_steps", 0))
+        self.commits = int(counters.get("commits", 0))
+        self.epoch = int(own.get("epoch", 0))
+        self._resume = run
+
+    def _start_from_checkpoint(self) -> None:
+        run, self._resume = self._resume, None
+        plan = Plan.from_dict(run["plan"])
+        stage = Stage(run["stage"])
+        stage = stage if stage.training else Stage.SHL
+        if self.is_server:
+            self.mc.coordinator.resume(plan, stage)
+            self._start_server(run["global_model"].clone())
+            self.server.server.version = int(run.get("version", 0))
+            self.server.start()
+        self.version = int(run.get("version", 0))
+        self.mc.plan = plan
+        self.mc.barrier()   # every rank resumes before anyone commits
+        self.planned = True
+        self.stage = stage
+        self.adopt_plan(plan)
+
+    def counters(self) -> dict:
+        c = super().counters()
+        c["version"] = self.version
+        if self.server is not None:
+            c["server"] = self.server.server.stats.to_dict()
+        return c

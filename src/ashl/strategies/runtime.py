@@ -1,0 +1,42 @@
+"""The MPI world and the Horovod a strategy runs on, checked once, with errors that say
+what to change in the launch or the script."""
+from __future__ import annotations
+
+import os
+
+__all__ = ["mpi_world", "world_comm", "horovod"]
+
+
+def mpi_world():
+    """mpi4py's MPI, after checking the launch gives ashl a real world."""
+    from mpi4py import MPI
+    if MPI.COMM_WORLD.Get_size() == 1 and "HOROVOD_GLOO_RENDEZVOUS_ADDR" in os.environ:
+        raise RuntimeError("ashl needs an MPI launch (horovodrun without --gloo, mpirun, or "
+                           "srun --mpi=pmix): under Gloo every rank sees an MPI world of size 1")
+    if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+        raise RuntimeError("ashl's server thread needs MPI_THREAD_MULTIPLE (mpi4py's default "
+                           "request); MPI was initialised with less")
+    return MPI
+
+
+def world_comm(comm=None):
+    """The communicator a strategy runs on: the one given (tests pass a fake), else
+    COMM_WORLD of a checked MPI launch."""
+    return mpi_world().COMM_WORLD if comm is None else comm
+
+
+def horovod(strategy: str, comm=None):
+    """horovod.torch, initialised on the same world as `comm`."""
+    try:
+        import horovod.torch as hvd
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise RuntimeError(f"strategy {strategy!r} needs horovod.torch "
+                           "(pip install ashl[mpi])") from exc
+    if not hvd.is_initialized():
+        raise RuntimeError(f"strategy {strategy!r} averages with Horovod: call "
+                           "hvd.init(comm=MPI.COMM_WORLD) before creating the optimizer")
+    if comm is not None and (hvd.size() != comm.Get_size() or hvd.rank() != comm.Get_rank()):
+        raise RuntimeError(f"Horovod's world (rank {hvd.rank()} of {hvd.size()}) is not the "
+                           f"communicator's (rank {comm.Get_rank()} of {comm.Get_size()}): "
+                           "initialise with hvd.init(comm=MPI.COMM_WORLD)")
+    return hvd

@@ -1,0 +1,158 @@
+"""The strategies' control plane on an in-process fake world (fake_world.py): N ranks in
+threads, a real model and optimizer, the real strategy classes, no mpirun."""
+import math
+import re
+
+import pytest
+import torch
+
+import ashl.torch as ashl
+from ashl.compression import Compression
+from ashl.stages import StageConfig
+from ashl.strategies import make_strategy
+from ashl.strategies.control import ControlSlots, decide
+from ashl.stages import Stage, StageMachine
+
+from fake_world import FakeWorld
+
+
+def model_and_data(rank: int, seed: int = 0):
+    torch.manual_seed(seed)                       # the same initial model on every rank
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    g = torch.Generator().manual_seed(100 + rank)  # each rank its own data
+    x, y = torch.randn(64, 4, generator=g), torch.randint(0, 3, (64,), generator=g)
+    return model, x, y
+
+
+def train(opt, model, x, y, max_steps=400, leave_after=None):
+    """The user's loop; `leave_after` steps: this rank calls finish() early."""
+    steps = 0
+    while not opt.finished and steps < max_steps:
+        i = (steps * 8) % 64
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x[i:i + 8]), y[i:i + 8])
+        loss.backward()
+        opt.step(loss=loss)
+        steps += 1
+        if leave_after is not None and steps >= leave_after:
+            break
+    opt.finish()
+    flat = torch.cat([t.detach().reshape(-1) for t in model.state_dict().values()
+                      if t.is_floating_point()])
+    return {"flat": flat, "counters": opt.counters(), "stage": opt.stage,
+            "transitions": opt.strategy.transitions, "plan": opt.plan}
+
+
+def wrapped(strategy, comm, hvd, model, **config):
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    return ashl.DistributedOptimizer(opt, model=model, strategy=strategy, comm=comm, hvd=hvd,
+                                     **config)
+
+
+@pytest.mark.parametrize("strategy", ["localsgd", "ashl-sync"])
+def test_every_rank_ends_with_the_same_model_after_the_same_rounds(strategy):
+    def rank_fn(comm, hvd):
+        model, x, y = model_and_data(comm.Get_rank())
+        extra = {"profile_steps": 3} if strategy == "ashl-sync" else {"local_steps": 2}
+        opt = wrapped(strategy, comm, hvd, model, eval_every_s=0,
+                      stage_config=StageConfig(max_commits=12), **extra)
+        return train(opt, model, x, y)
+
+    results = FakeWorld(3).run(rank_fn)
+    for r in results:
+        assert torch.equal(r["flat"], results[0]["flat"])
+        assert r["counters"]["commits"] == 4                  # 12 commits = 4 rounds x 3 ranks
+        assert r["counters"]["global_commits"] == 12
+        assert r["counters"]["stop_reason"].startswith("commit budget")
+        assert r["transitions"] == results[0]["transitions"]
+        assert r["stage"] == "DONE"
+    if strategy == "ashl-sync":
+        assert all(r["plan"] == results[0]["plan"] for r in results)
+
+
+def test_a_rank_that_leaves_early_stops_the_others_on_the_same_round():
+    def rank_fn(comm, hvd):
+        model, x, y = model_and_data(comm.Get_rank())
+        opt = wrapped("localsgd", comm, hvd, model, local_steps=2,
+                      stage_config=StageConfig(max_commits=10_000))
+        return train(opt, model, x, y, leave_after=4 if comm.Get_rank() == 1 else None)
+
+    results = FakeWorld(3).run(rank_fn)
+    assert [r["counters"]["left_early"] for r in results] == [False, True, False]
+    for r in results:
+        assert r["counters"]["commits"] == 3     # two rounds, then the leaving round
+        assert "1 rank(s) called finish()" in r["counters"]["stop_reason"]
+        assert torch.equal(r["flat"], results[0]["flat"])
+
+
+def test_the_control_ranks_evaluation_stops_every_rank():
+    accuracy = iter([0.1, 0.2, 0.95] + [1.0] * 100)
+
+    def rank_fn(comm, hvd):
+        model, x, y = model_and_data(comm.Get_rank())
+        opt = wrapped("localsgd", comm, hvd, model, local_steps=1, eval_every_s=0,
+                      evaluate=lambda: next(accuracy),
+                      stage_config=StageConfig(target_accuracy=0.9, max_commits=10_000))
+        return train(opt, model, x, y)
+
+    results = FakeWorld(2).run(rank_fn)
+    for r in results:
+        assert r["counters"]["stop_reason"].startswith("target accuracy: 0.95")
+    assert results[0]["counters"]["last_accuracy"] == 0.95
+
+
+def test_bsp_watches_the_steps_and_stops_every_rank_together():
+    def rank_fn(comm, hvd):
+        model, x, y = model_and_data(comm.Get_rank())
+        params = list(model.parameters())
+        s = make_strategy("bsp", model, params, comm=comm, hvd=hvd,
+                          stage_config=StageConfig(max_commits=3 * 5))
+        steps = 0
+        while not s.finished:
+            s.before_step()
+            s.after_step(float(steps))
+            steps += 1
+        s.finish()
+        return steps, s.stop_reason, s.stage_label, s.global_commits
+
+    results = FakeWorld(3).run(rank_fn)
+    assert {r[0] for r in results} == {5}
+    assert all(r[1].startswith("commit budget") and r[2] == "DONE" and r[3] == 15 for r in results)
+
+
+@pytest.mark.parametrize("strategy,compressor", [
+    ("localsgd", Compression.fp16), ("localsgd", Compression.topk(0.1)),
+    ("ashl-sync", Compression.fp16), ("bsp", Compression.topk(0.1))])
+def test_a_strategy_refuses_a_compressor_it_cannot_send(strategy, compressor):
+    def rank_fn(comm, hvd):
+        model, _, _ = model_and_data(0)
+        with pytest.raises(ValueError, match=re.escape(f"strategy {strategy!r} cannot send with "
+                                                       f"compression={compressor!r}")):
+            make_strategy(strategy, model, list(model.parameters()), comm=comm, hvd=hvd,
+                          compression=compressor)
+        return True
+
+    assert FakeWorld(1).run(rank_fn) == [True]
+
+
+# --- the synchronous control numbers, as pure functions --------------------------------------
+
+def test_control_slots_round_trip_and_decide_the_same_on_every_rank():
+    slots = ControlSlots(3)
+    parts = [slots.encode(r, loss=[0.5, None, 0.25][r], busy=0.1 * r, control=r == 0,
+                          elapsed=4.0, plan_t=1.0, accuracy=0.8 if r == 0 else None,
+                          present=r != 2) for r in range(3)]
+    reading = slots.decode(sum(parts))
+    assert reading.losses == (0.5, None, 0.25) and reading.present == 2
+    assert reading.now == 4.0 and reading.plan_t == 1.0 and reading.accuracy == 0.8
+    machines = [StageMachine(3, StageConfig()) for _ in range(3)]
+    stages = {decide(m, reading) for m in machines}
+    assert stages == {Stage.DONE}
+    assert {m.stop_reason for m in machines} == {"1 rank(s) called finish() before the run ended"}
+    assert all(m.commits == 3 for m in machines)
+
+
+def test_control_slots_skip_non_finite_losses():
+    reading = ControlSlots(2).decode(ControlSlots(2).encode(1, loss=math.nan, busy=0.0,
+                                                            control=False))
+    assert reading.losses == (None, None) and reading.accuracy is None
