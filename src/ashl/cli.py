@@ -1,0 +1,203 @@
+"""What the command lines share: ``python -m ashl.train`` and ``python -m ashl.bench e2e``.
+
+The options that describe one training job (model, data, emulated cluster, budget,
+hyper-parameters), their parsing and their checks. A check raises :class:`OptionError` with
+the one line to show (naming the option and its value); each CLI turns it into
+``PROG: error: ...`` and exit status 2, :class:`OneLineParser` for argparse's own errors.
+
+Pure functions: no torch, no MPI.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+from typing import Iterator, Optional, Sequence
+
+from .emulation import DEFAULT_LINK, Link
+from .strategies import STRATEGIES
+
+DATASET_HELP = "digits (default), synthetic[:N], cifar10:DIR"
+FACTORS_EXAMPLE = "1,1,2,4"
+
+
+class OptionError(ValueError):
+    """A bad option value; the message is the whole error line, without the program name."""
+
+
+def error_line(prog: str, message: str) -> str:
+    """``PROG: error: MESSAGE``, on one line whatever the message holds."""
+    return f"{prog}: error: {message.splitlines()[0] if message else message}"
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but an error is one line (``PROG: error: ... (see --help)``), exit status 2.
+    Subcommand parsers made from it are OneLineParsers too."""
+
+    def error(self, message: str):  # noqa: D401 (argparse API)
+        self.exit(2, error_line(self.prog, message) + " (see --help)\n")
+
+    @contextlib.contextmanager
+    def checking(self) -> Iterator[None]:
+        """Inside, an OptionError ends the program as an argparse error does."""
+        try:
+            yield
+        except OptionError as e:
+            self.error(str(e))
+
+
+# ------------------------------------------------------------------------------ options
+def add_run_options(parser: argparse.ArgumentParser, *, max_seconds: float,
+                    target_accuracy: Optional[float],
+                    factors_default: str = "off by default", link_base_note: str = "") -> None:
+    """The options of one training job. Each CLI sets its own `max_seconds` and
+    `target_accuracy` defaults, the help text of the slowdown lists' default, and a note
+    on --link-base."""
+    p = parser
+    p.add_argument("--model", default="mlp",
+                   help="mlp, cnn (small images such as digits); resnet18, vgg16 (32x32 images)")
+    p.add_argument("--dataset", default="digits", help=DATASET_HELP)
+    p.add_argument("--compute-slowdown", default=None, metavar="F0,F1,...",
+                   help=f"per-rank compute slowdown factors >= 1 (missing ranks: 1); "
+                        f"{factors_default}")
+    p.add_argument("--link-slowdown", default=None, metavar="F0,F1,...",
+                   help=f"per-rank link slowdown factors >= 1 of the --link-base link; "
+                        f"{factors_default}")
+    p.add_argument("--link-base", default=None, metavar="LATENCY_S,BYTES_PER_S",
+                   help=f"the factor-1 emulated link (default {DEFAULT_LINK.latency_s:g} s, "
+                        f"{DEFAULT_LINK.bytes_per_s:g} B/s){link_base_note}")
+    p.add_argument("--target-accuracy", type=float, default=target_accuracy,
+                   help="stop once rank 0's test accuracy reaches this (0 < a <= 1)")
+    p.add_argument("--max-seconds", type=float, default=max_seconds,
+                   help="time budget of a run, profiling included")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--eval-every", type=float, default=None, metavar="SECONDS",
+                   help="rank 0 evaluates at most this often (default: 0.25 s on digits and "
+                        "synthetic data, 10 s on CIFAR-10)")
+
+
+def check_run_options(args: argparse.Namespace,
+                      dataset_must_exist: bool = True) -> tuple[int, ...]:
+    """The values of add_run_options' options that need no parsing beyond argparse's, and
+    --dataset; returns the dataset's input shape. The slowdown lists and --link-base are
+    parsed apart (parse_factors, parse_link): each CLI fills in its own defaults."""
+    budget = args.max_seconds
+    if budget is not None and not (math.isfinite(budget) and budget > 0):
+        raise OptionError(f"--max-seconds {args.max_seconds:g}: the time budget must be a "
+                          "finite number of seconds > 0")
+    if args.target_accuracy is not None and not (0 < args.target_accuracy <= 1):
+        raise OptionError(f"--target-accuracy {args.target_accuracy:g}: must be in (0, 1] "
+                          "(a fraction, not a percentage)")
+    if args.batch_size < 1:
+        raise OptionError(f"--batch-size {args.batch_size}: must be >= 1")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        raise OptionError(f"--lr {args.lr:g}: the learning rate must be a finite number > 0")
+    if args.seed < 0:
+        raise OptionError(f"--seed {args.seed}: must be >= 0")
+    every = args.eval_every
+    if every is not None and not (math.isfinite(every) and every >= 0):
+        raise OptionError(f"--eval-every {args.eval_every:g}: must be a number of seconds >= 0")
+    return check_dataset_spec(args.dataset, must_exist=dataset_must_exist)
+
+
+# ------------------------------------------------------------------------------ values
+def parse_factors(option: str, text: Optional[str]) -> list[float]:
+    """'1,2,4' -> [1.0, 2.0, 4.0], None -> []; any malformed item is an error naming the
+    option, its value and the item."""
+    if text is None:
+        return []
+    factors = []
+    for item in text.split(","):
+        item = item.strip()
+        try:
+            value = float(item)
+        except ValueError:
+            raise OptionError(f"{option} {text!r}: {item!r} is not a number (expected "
+                              f"comma-separated factors >= 1, one per rank, e.g. "
+                              f"{FACTORS_EXAMPLE})") from None
+        if not math.isfinite(value) or value < 1:
+            raise OptionError(f"{option} {text!r}: {item} is not a finite factor >= 1")
+        factors.append(value)
+    return factors
+
+
+def check_factor_count(option: str, text: Optional[str], factors: Sequence[float],
+                       ranks: int) -> None:
+    """A list may be shorter than the run (missing ranks: 1), never longer."""
+    if len(factors) > ranks:
+        raise OptionError(f"{option} {text!r} lists {len(factors)} factors but the run has "
+                          f"{ranks} rank{'s' if ranks != 1 else ''}")
+
+
+def format_factors(factors: Sequence[float]) -> str:
+    """[1.0, 2.5] -> '1,2.5', the shortest text parse_factors reads back exactly."""
+    return ",".join(f"{v:g}" if float(f"{v:g}") == v else repr(float(v)) for v in factors)
+
+
+def parse_link(text: Optional[str]) -> Link:
+    """'LATENCY_S,BYTES_PER_S' -> Link; None -> the default link."""
+    if text is None:
+        return DEFAULT_LINK
+    try:
+        latency, bandwidth = (float(x) for x in text.split(","))
+    except ValueError:
+        raise OptionError(f"--link-base {text!r}: expected LATENCY_S,BYTES_PER_S "
+                          "(e.g. 5e-4,125e6)") from None
+    try:
+        return Link(latency, bandwidth)
+    except ValueError as e:
+        raise OptionError(f"--link-base {text!r}: {e}") from None
+
+
+def check_strategy(name: str) -> str:
+    if name not in STRATEGIES:
+        raise OptionError(f"--strategy {name!r}: unknown strategy (known: {', '.join(STRATEGIES)})")
+    return name
+
+
+def parse_strategies(text: Optional[str], default: Sequence[str]) -> list[str]:
+    """--strategies 'a,b' -> ['a', 'b'] (None: `default`); every name known, none twice."""
+    if text is None:
+        return list(default)
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    if not names:
+        raise OptionError(f"--strategies {text!r}: no strategy named")
+    unknown = [s for s in names if s not in STRATEGIES]
+    if unknown:
+        raise OptionError(f"--strategies {text!r}: unknown {', '.join(map(repr, unknown))} "
+                          f"(known: {', '.join(STRATEGIES)})")
+    if len(set(names)) != len(names):
+        raise OptionError(f"--strategies {text!r}: a strategy is named twice")
+    return names
+
+
+def check_dataset_spec(spec: str, must_exist: bool = True) -> tuple[int, ...]:
+    """Syntax (and, if `must_exist`, the directory) of --dataset; no data read. Returns the
+    input shape."""
+    name, sep, arg = spec.partition(":")
+    name = name.strip().lower()
+    if name == "digits":
+        if sep:
+            raise OptionError(f"--dataset {spec!r}: digits takes no argument")
+        return (1, 8, 8)
+    if name == "synthetic":
+        if sep:
+            try:
+                n = int(arg)
+            except ValueError:
+                raise OptionError(f"--dataset {spec!r}: synthetic:N needs an integer sample "
+                                  "count N") from None
+            if n < 20:
+                raise OptionError(f"--dataset {spec!r}: synthetic needs N >= 20 samples "
+                                  "(2 per class)")
+        return (1, 8, 8)
+    if name == "cifar10":
+        if not arg:
+            raise OptionError(f"--dataset {spec!r}: cifar10 needs a directory, cifar10:DIR")
+        if must_exist and not os.path.isdir(arg):
+            raise OptionError(f"--dataset {spec!r}: directory {arg!r} does not exist")
+        return (3, 32, 32)
+    raise OptionError(f"--dataset {spec!r}: unknown dataset (known: {DATASET_HELP})")
