@@ -31,22 +31,15 @@ import sys
 import time
 from typing import Optional, Sequence
 
-from .emulation import DEFAULT_LINK, Heterogeneity, Link
+from .cli import (OneLineParser, OptionError, add_run_options, check_factor_count,
+                  check_run_options, check_strategy, parse_factors, parse_link)
+from .emulation import Heterogeneity
 from .strategies import STRATEGIES
 
 PROG = "ashl.train"
-DATASET_HELP = "digits (default), synthetic[:N], cifar10:DIR"
 # Rank count / rank as the launchers export them (checked again after MPI starts).
 _SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MV2_COMM_WORLD_SIZE")
 _RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse, but an error is one line (``ashl.train: error: ...``) and exit status 2."""
-
-    def error(self, message: str):  # noqa: D401 (argparse API)
-        self.exit(2, f"{self.prog}: error: {message.splitlines()[0] if message else message}"
-                     f" (see --help)\n")
 
 
 # ------------------------------------------------------------------------------ options
@@ -54,93 +47,16 @@ def build_parser(prog: str = PROG) -> OneLineParser:
     p = OneLineParser(prog=prog, description=__doc__.split("\n\n")[0],
                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--strategy", default="ashl", help=f"one of {', '.join(STRATEGIES)}")
-    p.add_argument("--model", default="mlp",
-                   help="mlp, cnn (small images such as digits); resnet18, vgg16 (32x32 images)")
-    p.add_argument("--dataset", default="digits", help=DATASET_HELP)
-    p.add_argument("--compute-slowdown", default=None, metavar="F0,F1,...",
-                   help="per-rank compute slowdown factors >= 1 (missing ranks: 1); off by default")
-    p.add_argument("--link-slowdown", default=None, metavar="F0,F1,...",
-                   help="per-rank link slowdown factors >= 1 of the --link-base link; off by default")
-    p.add_argument("--link-base", default=None, metavar="LATENCY_S,BYTES_PER_S",
-                   help=f"the factor-1 emulated link (default {DEFAULT_LINK.latency_s:g} s, "
-                        f"{DEFAULT_LINK.bytes_per_s:g} B/s); alone it emulates that link on every rank")
-    p.add_argument("--target-accuracy", type=float, default=None,
-                   help="stop once rank 0's test accuracy reaches this (0 < a <= 1)")
-    p.add_argument("--max-seconds", type=float, default=120.0,
-                   help="time budget of the run, profiling included")
+    add_run_options(p, max_seconds=120.0, target_accuracy=None, factors_default="off by default",
+                    link_base_note="; alone it emulates that link on every rank")
     p.add_argument("--max-commits", type=int, default=None, help="commit budget (all ranks)")
     p.add_argument("--switch-loss", type=float, default=0.3,
                    help="ASHL: move from AHL to SHL below this global training loss")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--eval-every", type=float, default=None, metavar="SECONDS",
-                   help="rank 0 evaluates at most this often (default: 0.25 s on digits and "
-                        "synthetic data, 10 s on CIFAR-10)")
     p.add_argument("--profile-steps", type=int, default=10,
                    help="local steps each rank times before the plan")
     p.add_argument("--out", default=os.path.join("out", "train"), help="output directory")
     p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     return p
-
-
-def parse_factors(parser: OneLineParser, option: str, text: Optional[str]) -> list[float]:
-    """'1,2,4' -> [1.0, 2.0, 4.0]; any malformed item is an error naming the option."""
-    if text is None:
-        return []
-    items = text.split(",")
-    factors = []
-    for item in items:
-        item = item.strip()
-        try:
-            value = float(item)
-        except ValueError:
-            parser.error(f"{option} {text!r}: {item!r} is not a number (expected comma-separated "
-                         "factors >= 1, one per rank, e.g. 1,1,2,4)")
-        if not math.isfinite(value) or value < 1:
-            parser.error(f"{option} {text!r}: {item} is not a finite factor >= 1")
-        factors.append(value)
-    return factors
-
-
-def parse_link(parser: OneLineParser, text: Optional[str]) -> Link:
-    if text is None:
-        return DEFAULT_LINK
-    parts = text.split(",")
-    try:
-        latency, bandwidth = (float(x) for x in parts)
-    except ValueError:
-        parser.error(f"--link-base {text!r}: expected LATENCY_S,BYTES_PER_S (e.g. 5e-4,125e6)")
-    try:
-        return Link(latency, bandwidth)
-    except ValueError as e:
-        parser.error(f"--link-base {text!r}: {e}")
-
-
-def check_dataset_spec(parser: OneLineParser, spec: str) -> tuple[int, ...]:
-    """Syntax and directory of --dataset (no data read); returns the input shape."""
-    name, sep, arg = spec.partition(":")
-    name = name.strip().lower()
-    if name == "digits":
-        if sep:
-            parser.error(f"--dataset {spec!r}: digits takes no argument")
-        return (1, 8, 8)
-    if name == "synthetic":
-        if sep:
-            try:
-                n = int(arg)
-            except ValueError:
-                parser.error(f"--dataset {spec!r}: synthetic:N needs an integer sample count N")
-            if n < 20:
-                parser.error(f"--dataset {spec!r}: synthetic needs N >= 20 samples (2 per class)")
-        return (1, 8, 8)
-    if name == "cifar10":
-        if not arg:
-            parser.error(f"--dataset {spec!r}: cifar10 needs a directory, cifar10:DIR")
-        if not os.path.isdir(arg):
-            parser.error(f"--dataset {spec!r}: directory {arg!r} does not exist")
-        return (3, 32, 32)
-    parser.error(f"--dataset {spec!r}: unknown dataset (known: {DATASET_HELP})")
 
 
 def _env_int(names: Sequence[str]) -> Optional[int]:
@@ -152,100 +68,60 @@ def _env_int(names: Sequence[str]) -> Optional[int]:
     return None
 
 
-def check_rank_count(parser: OneLineParser, args, size: int) -> None:
-    for option, factors in (("--compute-slowdown", args.compute_factors),
-                            ("--link-slowdown", args.link_factors)):
-        if len(factors) > size:
-            parser.error(f"{option} {getattr(args, option[2:].replace('-', '_'))!r} lists "
-                         f"{len(factors)} factors but the run has {size} rank"
-                         f"{'s' if size != 1 else ''}")
+def check_rank_count(args, size: int) -> None:
+    check_factor_count("--compute-slowdown", args.compute_slowdown, args.compute_factors, size)
+    check_factor_count("--link-slowdown", args.link_slowdown, args.link_factors, size)
 
 
-def validate(parser: OneLineParser, args) -> argparse.Namespace:
-    """Everything that needs neither MPI nor torch; fills in parsed values."""
-    if args.strategy not in STRATEGIES:
-        parser.error(f"--strategy {args.strategy!r}: unknown strategy "
-                     f"(known: {', '.join(STRATEGIES)})")
-    args.compute_factors = parse_factors(parser, "--compute-slowdown", args.compute_slowdown)
-    args.link_factors = parse_factors(parser, "--link-slowdown", args.link_slowdown)
-    args.link = parse_link(parser, args.link_base)
+def check_options(args: argparse.Namespace) -> argparse.Namespace:
+    """Everything that needs neither MPI nor torch; fills in parsed values. Raises
+    OptionError."""
+    check_strategy(args.strategy)
+    args.compute_factors = parse_factors("--compute-slowdown", args.compute_slowdown)
+    args.link_factors = parse_factors("--link-slowdown", args.link_slowdown)
+    args.link = parse_link(args.link_base)
     if args.link_base is not None and not args.link_factors:
         args.link_factors = [1.0]   # an explicit link alone: every rank gets it (factor 1)
-    if args.max_seconds is not None and not (math.isfinite(args.max_seconds) and args.max_seconds > 0):
-        parser.error(f"--max-seconds {args.max_seconds:g}: the time budget must be a finite "
-                     "number of seconds > 0")
+    args.input_shape = check_run_options(args)
     if args.max_commits is not None and args.max_commits < 1:
-        parser.error(f"--max-commits {args.max_commits}: the commit budget must be >= 1")
-    if args.target_accuracy is not None and not (0 < args.target_accuracy <= 1):
-        parser.error(f"--target-accuracy {args.target_accuracy:g}: must be in (0, 1] "
-                     "(a fraction, not a percentage)")
+        raise OptionError(f"--max-commits {args.max_commits}: the commit budget must be >= 1")
     if not math.isfinite(args.switch_loss):
-        parser.error(f"--switch-loss {args.switch_loss:g}: must be a finite number")
-    if args.batch_size < 1:
-        parser.error(f"--batch-size {args.batch_size}: must be >= 1")
-    if not (math.isfinite(args.lr) and args.lr > 0):
-        parser.error(f"--lr {args.lr:g}: the learning rate must be a finite number > 0")
-    if args.seed < 0:
-        parser.error(f"--seed {args.seed}: must be >= 0")
+        raise OptionError(f"--switch-loss {args.switch_loss:g}: must be a finite number")
     if args.eval_every is None:
         args.eval_every = 10.0 if args.dataset.strip().lower().startswith("cifar10") else 0.25
-    if not (math.isfinite(args.eval_every) and args.eval_every >= 0):
-        parser.error(f"--eval-every {args.eval_every:g}: must be a number of seconds >= 0")
     if args.profile_steps < 3:
-        parser.error(f"--profile-steps {args.profile_steps}: must be >= 3 (one is warm-up)")
+        raise OptionError(f"--profile-steps {args.profile_steps}: must be >= 3 (one is warm-up)")
     if args.max_seconds is None and args.max_commits is None and args.target_accuracy is None:
-        parser.error("no stop condition: give --max-seconds, --max-commits or --target-accuracy")
-    args.input_shape = check_dataset_spec(parser, args.dataset)
+        raise OptionError("no stop condition: give --max-seconds, --max-commits or "
+                          "--target-accuracy")
     if os.path.exists(args.out) and not os.path.isdir(args.out):
-        parser.error(f"--out {args.out!r}: exists and is not a directory")
+        raise OptionError(f"--out {args.out!r}: exists and is not a directory")
     size = _env_int(_SIZE_VARS)
     if size is not None:
-        check_rank_count(parser, args, size)
+        check_rank_count(args, size)
     return args
 
 
-def check_model(parser: OneLineParser, args) -> None:
+def check_model(args) -> None:
     """--model against the known models and the dataset's input shape (imports torch)."""
     from .models import MODELS, build_model
     key = args.model.strip().lower().replace("-", "").replace("_", "")
     if key not in MODELS:
-        parser.error(f"--model {args.model!r}: unknown model (known: {', '.join(MODELS)})")
+        raise OptionError(f"--model {args.model!r}: unknown model (known: {', '.join(MODELS)})")
     if key in ("resnet18", "vgg16") and tuple(args.input_shape[1:]) != (32, 32):
-        parser.error(f"--model {args.model!r} is built for 32x32 images and --dataset "
-                     f"{args.dataset!r} has {'x'.join(map(str, args.input_shape[1:]))}: "
-                     "use --model mlp or cnn, or --dataset cifar10:DIR")
+        raise OptionError(f"--model {args.model!r} is built for 32x32 images and --dataset "
+                          f"{args.dataset!r} has {'x'.join(map(str, args.input_shape[1:]))}: "
+                          "use --model mlp or cnn, or --dataset cifar10:DIR")
     try:
         import torch
         with torch.device("meta"):   # the shape check only: no memory
             build_model(key, args.input_shape, 10)
     except ValueError as e:
-        parser.error(f"--model {args.model!r}: {e}")
+        raise OptionError(f"--model {args.model!r}: {e}") from None
     args.model = key
 
 
-# ------------------------------------------------------------------------------ helpers
-def global_commits(strategy) -> Optional[int]:
-    """The run's total commit count where the strategy keeps one (rank 0), else None."""
-    machine = getattr(strategy, "machine", None)          # a stage machine of its own
-    if machine is None:                                    # or the coordinator's (server)
-        mc = getattr(strategy, "mc", None)
-        machine = getattr(getattr(mc, "coordinator", None), "machine", None)
-    commits = getattr(machine, "commits", None)
-    return int(commits) if isinstance(commits, int) else None
-
-
-def stop_reason(strategy, counters: dict) -> Optional[str]:
-    reason = counters.get("stop_reason") or getattr(strategy, "stop_reason", None)
-    if not reason:
-        mc = getattr(strategy, "mc", None)
-        machine = getattr(getattr(mc, "coordinator", None), "machine", None)
-        reason = getattr(machine, "stop_reason", None)
-    if not reason:
-        machine = getattr(strategy, "machine", None)
-        reason = getattr(machine, "stop_reason", None)
-    return str(reason) if reason else None
-
-
+# ------------------------------------------------------------------------------ outputs
 def bytes_sent(counters: dict) -> int:
     """Bytes a rank put on the wire: bytes_sent, else what it allreduced (ashl-sync)."""
     value = counters.get("bytes_sent")
@@ -359,31 +235,298 @@ class Progress:
             self.bar.close()
 
 
-# ------------------------------------------------------------------------------ the job
+def write_json(path: str, value) -> None:
+    """All or nothing: a reader never sees half a file."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(_jsonable(value), f, indent=1)
+    os.replace(tmp, path)
+
+
+def _ranks(n: int) -> str:
+    return f"{n} rank{'s' if n != 1 else ''}"
+
+
+# ------------------------------------------------------------------------------ the run
+class Evaluator:
+    """Test accuracy of the model as it is now (no gradients, the training mode kept)."""
+
+    batch = 2048
+
+    def __init__(self, model, test):
+        self.model = model
+        self.x, self.y = test.tensors
+
+    def __call__(self) -> float:
+        import torch
+        was_training = self.model.training
+        with torch.no_grad():
+            self.model.eval()
+            correct = 0
+            for i in range(0, len(self.y), self.batch):
+                out = self.model(self.x[i:i + self.batch])
+                correct += (out.argmax(1) == self.y[i:i + self.batch]).sum().item()
+            self.model.train(was_training)
+        return correct / max(1, len(self.y))
+
+
+class SmoothedLoss:
+    """Rank 0's training loss, exponentially smoothed; non-finite values are skipped."""
+
+    def __init__(self, weight: float = 0.1):
+        self.weight = weight
+        self.value: Optional[float] = None
+
+    def add(self, value: float) -> None:
+        if math.isfinite(value):
+            self.value = value if self.value is None else \
+                (1 - self.weight) * self.value + self.weight * value
+
+
+class MetricsLog:
+    """Rank 0's metrics.jsonl: one row per evaluation, ``t`` in seconds since `start`."""
+
+    def __init__(self, path: str, start: float):
+        self.path, self.start = path, start
+        self.file = open(path, "w")
+        self.last_at: Optional[float] = None      # time.perf_counter() of the last row
+        self.accuracy: Optional[float] = None     # the last row's
+
+    def write(self, accuracy: float, stage: str, loss: Optional[float],
+              commits: Optional[int], by: str) -> None:
+        now = time.perf_counter()
+        row = {"t": round(now - self.start, 4), "stage": stage, "loss": loss,
+               "accuracy": accuracy, "commits": commits, "by": by}
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+        self.last_at, self.accuracy = now, accuracy
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class Run:
+    """One rank's training run: the model and its DistributedOptimizer; on rank 0 also the
+    evaluations, the progress line and the outputs."""
+
+    def __init__(self, args, data, rank: int, size: int, comm):
+        import torch
+
+        import ashl.torch as ashl
+        from .models import build_model
+        self.args, self.data, self.rank, self.size, self.comm = args, data, rank, size, comm
+        self.metrics_path = os.path.join(args.out, "metrics.jsonl")
+        torch.manual_seed(args.seed)
+        self.model = build_model(args.model, data.input_shape, data.classes)
+        self.base_opt = torch.optim.SGD(self.model.parameters(), lr=args.lr, momentum=0.9)
+        self.sampler = ashl.HeterogeneousSampler(data.train, seed=args.seed)
+        self.hetero = Heterogeneity.for_rank(rank, args.compute_factors, args.link_factors,
+                                             args.link)
+        self.evaluate = Evaluator(self.model, data.test)
+        self.loss = SmoothedLoss()
+        self.opt = None
+        self.metrics: Optional[MetricsLog] = None
+        self.progress: Optional[Progress] = None
+        self.start = time.perf_counter()
+        # A strategy that never calls evaluate still gets curves: rank 0 evaluates its own
+        # model when the strategy has been silent for this long (it cannot stop the run).
+        self.fallback_after = max(2.0, 3 * args.eval_every)
+
+    def execute(self) -> int:
+        self.begin()
+        self.train_epochs()
+        self.opt.finish()
+        wall = time.perf_counter() - self.start
+        final_accuracy = self.evaluate() if self.rank == 0 else None
+        everyone = self.comm.gather(self.rank_result(wall), root=0)
+        if self.rank == 0:
+            self.report(everyone, wall, final_accuracy)
+        return 0
+
+    # -------------------------------------------------------------- start
+    def begin(self) -> None:
+        """Start the clock and the optimizer; rank 0 records the initial model."""
+        import ashl.torch as ashl
+        from .stages import StageConfig
+        a = self.args
+        stage_config = StageConfig(switch_loss=a.switch_loss, target_accuracy=a.target_accuracy,
+                                   max_seconds=a.max_seconds, max_commits=a.max_commits)
+        config = dict(stage_config=stage_config, eval_every_s=a.eval_every,
+                      profile_steps=a.profile_steps)
+        if self.rank == 0:
+            config["evaluate"] = self.on_evaluate
+        # Ranks finish importing and loading at different times (a loaded host skews them by
+        # seconds): line them up, so the first collective does not charge that to the strategy.
+        self.comm.Barrier()
+        self.start = time.perf_counter()      # the run's clock: profiling included
+        if self.rank == 0:
+            self.metrics = MetricsLog(self.metrics_path, self.start)
+        self.opt = ashl.DistributedOptimizer(self.base_opt, model=self.model, sampler=self.sampler,
+                                             strategy=a.strategy, heterogeneity=self.hetero,
+                                             **config)
+        ashl.broadcast_parameters(self.model.state_dict(), root_rank=0)
+        if self.rank == 0:
+            self.record(self.evaluate(), "start")   # the curves start from the initial model
+            self.progress = Progress(not a.no_progress, a.strategy)
+
+    def on_evaluate(self) -> float:
+        """The strategy's callback (rank 0): test accuracy of the model it just received."""
+        accuracy = self.evaluate()
+        self.record(accuracy, "strategy")
+        return accuracy
+
+    def commits(self) -> int:
+        """The run's commits where the strategy knows them, else this rank's."""
+        strategy = self.opt.strategy
+        total = strategy.global_commits
+        return int(strategy.commits) if total is None else total
+
+    def record(self, accuracy: float, by: str) -> None:
+        if self.opt is None:   # an evaluation before the optimizer is built
+            stage, commits = "PROFILE", None
+        else:
+            stage, commits = self.opt.stage, self.commits()
+        self.metrics.write(accuracy, stage, self.loss.value, commits, by)
+
+    # -------------------------------------------------------------- training
+    def train_epochs(self) -> None:
+        import torch.nn.functional as F
+        from torch.utils.data import DataLoader
+        opt, epoch = self.opt, 0
+        while not opt.finished:
+            self.sampler.set_epoch(epoch)
+            opt.set_epoch(epoch)
+            for x, y in DataLoader(self.data.train, batch_size=self.args.batch_size,
+                                   sampler=self.sampler):
+                opt.zero_grad()
+                loss = F.cross_entropy(self.model(x), y)
+                loss.backward()
+                opt.step(loss=loss)
+                if self.rank == 0:
+                    self.watch(float(loss.detach()))
+                if opt.finished:
+                    break
+            epoch += 1
+
+    def watch(self, loss: float) -> None:
+        """Rank 0 after each step: the smoothed loss, a fallback evaluation, the progress."""
+        self.loss.add(loss)
+        now = time.perf_counter()
+        if now - (self.metrics.last_at or self.start) > self.fallback_after \
+                and not self.opt.finished:
+            self.record(self.evaluate(), "loop")
+        self.progress.step(now, self.describe)
+
+    def describe(self) -> str:
+        wall = max(time.perf_counter() - self.start, 1e-9)
+        compute_s = self.opt.counters().get("compute_s", 0.0)
+        acc, loss = self.metrics.accuracy, self.loss.value
+        return (f"{self.opt.stage} loss {'-' if loss is None else f'{loss:.3f}'} "
+                f"acc {'-' if acc is None else f'{acc:.3f}'} "
+                f"{self.commits() / wall:.1f} commits/s util {compute_s / wall:.0%}")
+
+    # -------------------------------------------------------------- the end
+    def rank_result(self, wall: float) -> dict:
+        """What every rank sends rank 0 for the summary."""
+        link = self.hetero.link
+        return {"rank": self.rank, "wall_s": wall, "counters": _jsonable(self.opt.counters()),
+                "compute_factor": self.hetero.compute_factor,
+                "link": None if link is None else [link.latency_s, link.bytes_per_s]}
+
+    def report(self, everyone: list[dict], wall: float, final_accuracy: float) -> None:
+        """Rank 0: the last row, summary.json, curves.png and the result lines."""
+        self.record(final_accuracy, "final")
+        self.metrics.close()
+        self.progress.close(f"done: acc {final_accuracy:.3f}")
+        rows = read_metrics(self.metrics_path)
+        summary = build_summary(self.args, everyone, rows, wall, final_accuracy,
+                                self.opt.strategy.stop_reason, self.opt.plan)
+        out = self.args.out
+        write_json(os.path.join(out, "summary.json"), summary)
+        title = (f"{self.args.strategy} on {_ranks(self.size)}, "
+                 f"{self.args.model}/{self.args.dataset}, "
+                 f"compute x{','.join(f'{c:g}' for c in summary['compute_slowdown'])}")
+        try:
+            plot_curves(rows, os.path.join(out, "curves.png"), title, self.args.target_accuracy)
+        except Exception as e:   # a plot is not worth losing the run's results
+            print(f"{PROG}: could not draw the plot: {e}", file=sys.stderr)
+        print_result(summary)
+        print(f"  results in {out}/ (summary.json, metrics.jsonl, curves.png, timeline.json)")
+
+
+def build_summary(args, everyone: Sequence[dict], rows: Sequence[dict], wall: float,
+                  final_accuracy: float, stop_reason: Optional[str], plan) -> dict:
+    """summary.json: the job, the outcome, and every rank's counters (`everyone`)."""
+    counters = [r["counters"] for r in everyone]
+    return {
+        "strategy": args.strategy, "ranks": len(everyone), "model": args.model,
+        "dataset": args.dataset, "seed": args.seed, "batch_size": args.batch_size, "lr": args.lr,
+        "compute_slowdown": [r["compute_factor"] for r in everyone],
+        "link": [r["link"] for r in everyone],
+        "target_accuracy": args.target_accuracy, "max_seconds": args.max_seconds,
+        "max_commits": args.max_commits,
+        "time_to_target_s": time_to_target(rows, args.target_accuracy),
+        "final_accuracy": final_accuracy,
+        "wall_s": wall,
+        "utilization": [r["counters"].get("compute_s", 0.0) / max(r["wall_s"], 1e-9)
+                        for r in everyone],
+        "bytes_sent": int(sum(bytes_sent(c) for c in counters)),
+        "commits": int(sum(c.get("commits") or 0 for c in counters)),
+        "local_steps": int(sum(c.get("local_steps") or 0 for c in counters)),
+        "evaluations": len(rows),
+        "stop_reason": stop_reason,
+        "plan": None if plan is None else _jsonable(plan.to_dict()),
+        "per_rank": list(everyone),
+        "files": {"metrics": "metrics.jsonl", "timeline": os.environ.get("ASHL_TIMELINE"),
+                  "plot": "curves.png"},
+    }
+
+
+def print_result(summary: dict) -> None:
+    ttt = summary["time_to_target_s"]
+    print(f"{summary['strategy']}: {_ranks(summary['ranks'])}, final accuracy "
+          f"{summary['final_accuracy']:.4f}, time to target "
+          f"{'missed' if ttt is None else f'{ttt:.1f} s'}, wall {summary['wall_s']:.1f} s, "
+          f"commits {summary['commits']}, "
+          f"utilization {' '.join(f'{u:.0%}' for u in summary['utilization'])}; "
+          f"stop: {summary['stop_reason'] or 'n/a'}")
+
+
+# ------------------------------------------------------------------------------ main
 def _quiet(parser: argparse.ArgumentParser) -> None:
     parser.exit = lambda status=0, message=None: sys.exit(status)  # type: ignore[assignment]
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = build_parser()
-    if (_env_int(_RANK_VARS) or 0) != 0:
-        _quiet(parser)    # under a launcher every rank validates; rank 0 alone says why
-    args = validate(parser, parser.parse_args(argv))
-    check_model(parser, args)
-    env_rank = _env_int(_RANK_VARS) or 0
-    if env_rank == 0:
-        try:
-            os.makedirs(args.out, exist_ok=True)
-        except OSError as e:
-            parser.error(f"--out {args.out!r}: cannot create the directory ({e.strerror})")
-
+def load_data(args):
+    """The dataset (imports torch); a bad one is an OptionError naming --dataset."""
     import torch
     torch.set_num_threads(1)
     from .data import load_dataset
     try:
-        data = load_dataset(args.dataset)
+        return load_dataset(args.dataset)
     except (ValueError, OSError) as e:
-        parser.error(f"--dataset {args.dataset!r}: {e}")
+        raise OptionError(f"--dataset {args.dataset!r}: {e}") from None
+
+
+def make_out_dir(out: str) -> None:
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        raise OptionError(f"--out {out!r}: cannot create the directory ({e.strerror})") from None
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    env_rank = _env_int(_RANK_VARS) or 0
+    if env_rank != 0:
+        _quiet(parser)    # under a launcher every rank validates; rank 0 alone says why
+    args = parser.parse_args(argv)
+    with parser.checking():
+        check_options(args)
+        check_model(args)
+        if env_rank == 0:
+            make_out_dir(args.out)
+        data = load_data(args)
 
     from mpi4py import MPI
     import horovod.torch as hvd
@@ -391,201 +534,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     rank, size = hvd.rank(), hvd.size()
     if rank != 0:   # every rank reaches the same verdict; one prints it
         _quiet(parser)
-    check_rank_count(parser, args, size)
-    return train(args, data, rank, size, hvd, MPI)
-
-
-def train(args, data, rank: int, size: int, hvd, MPI) -> int:
-    import torch
-    import torch.nn.functional as F
-    from torch.utils.data import DataLoader
-
-    import ashl.torch as ashl
-    from .models import build_model
-    from .stages import StageConfig
-
-    out = args.out
+    with parser.checking():
+        check_rank_count(args, size)
     if rank == 0:
-        os.makedirs(out, exist_ok=True)
-    metrics_path = os.path.join(out, "metrics.jsonl")
+        os.makedirs(args.out, exist_ok=True)
     # Every rank agrees on the path: writing the trace is a gather.
-    os.environ.setdefault("ASHL_TIMELINE", os.path.abspath(os.path.join(out, "timeline.json")))
-
-    torch.manual_seed(args.seed)
-    model = build_model(args.model, data.input_shape, data.classes)
-    base_opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    sampler = ashl.HeterogeneousSampler(data.train, seed=args.seed)
-    hetero = Heterogeneity.for_rank(rank, args.compute_factors, args.link_factors, args.link)
-    test_x, test_y = data.test.tensors
-
-    state = {"opt": None, "loss": None, "last_eval": None, "accuracy": None, "evals": 0}
-    metrics = open(metrics_path, "w") if rank == 0 else None
-
-    def accuracy() -> float:
-        was_training = model.training
-        with torch.no_grad():
-            model.eval()
-            correct = 0
-            for i in range(0, len(test_y), 2048):
-                correct += (model(test_x[i:i + 2048]).argmax(1) == test_y[i:i + 2048]).sum().item()
-            model.train(was_training)
-        return correct / max(1, len(test_y))
-
-    def record(acc: float, source: str) -> None:
-        opt = state["opt"]
-        now = time.perf_counter()
-        commits = None
-        stage = "PROFILE"
-        if opt is not None:
-            stage = opt.stage
-            commits = global_commits(opt.strategy)
-            if commits is None:
-                commits = int(opt.strategy.commits) if hasattr(opt.strategy, "commits") else None
-        row = {"t": round(now - start, 4), "stage": stage, "loss": state["loss"],
-               "accuracy": acc, "commits": commits, "by": source}
-        metrics.write(json.dumps(row) + "\n")
-        metrics.flush()
-        state.update(last_eval=now, accuracy=acc, evals=state["evals"] + 1)
-
-    def evaluate() -> float:
-        """The strategy's callback (rank 0): test accuracy of the model it just received."""
-        acc = accuracy()
-        record(acc, "strategy")
-        return acc
-
-    stage_config = StageConfig(switch_loss=args.switch_loss, target_accuracy=args.target_accuracy,
-                               max_seconds=args.max_seconds, max_commits=args.max_commits)
-    config = dict(stage_config=stage_config, eval_every_s=args.eval_every,
-                  profile_steps=args.profile_steps)
-    if rank == 0:
-        config["evaluate"] = evaluate
-    # Ranks finish importing and loading at different times (a loaded host skews them by
-    # seconds): line them up, so the first collective does not charge that to the strategy.
-    MPI.COMM_WORLD.Barrier()
-    start = time.perf_counter()      # the run's clock: profiling included
-    try:
-        opt = ashl.DistributedOptimizer(base_opt, model=model, sampler=sampler,
-                                        strategy=args.strategy, heterogeneity=hetero, **config)
-    except TypeError as e:
-        if "heterogeneity" not in str(e):
-            raise
-        # A strategy without the parameter reads the same emulation from the environment.
-        os.environ["ASHL_EMULATE_COMPUTE"] = ",".join(map(str, args.compute_factors))
-        os.environ["ASHL_EMULATE_LINK"] = ",".join(map(str, args.link_factors))
-        os.environ["ASHL_EMULATE_LINK_BASE"] = f"{args.link.latency_s!r},{args.link.bytes_per_s!r}"
-        opt = ashl.DistributedOptimizer(base_opt, model=model, sampler=sampler,
-                                        strategy=args.strategy, **config)
-    state["opt"] = opt
-    ashl.broadcast_parameters(model.state_dict(), root_rank=0)
-    if rank == 0:
-        record(accuracy(), "start")   # the curves start from the initial model
-
-    progress = Progress(rank == 0 and not args.no_progress, args.strategy)
-    # A strategy that never calls evaluate still gets curves: rank 0 evaluates its own model
-    # when the strategy has been silent for this long (it cannot stop the run by itself).
-    fallback_after = max(2.0, 3 * args.eval_every)
-
-    def describe() -> str:
-        wall = time.perf_counter() - start
-        c = opt.counters()
-        commits = global_commits(opt.strategy)
-        if commits is None:
-            commits = c.get("commits", 0)
-        acc = state["accuracy"]
-        loss = state["loss"]
-        return (f"{opt.stage} loss {'-' if loss is None else f'{loss:.3f}'} "
-                f"acc {'-' if acc is None else f'{acc:.3f}'} "
-                f"{commits / max(wall, 1e-9):.1f} commits/s "
-                f"util {c.get('compute_s', 0.0) / max(wall, 1e-9):.0%}")
-
-    epoch = 0
-    while not opt.finished:
-        sampler.set_epoch(epoch)
-        if hasattr(opt.strategy, "set_epoch"):
-            opt.set_epoch(epoch)
-        for x, y in DataLoader(data.train, batch_size=args.batch_size, sampler=sampler):
-            opt.zero_grad()
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            opt.step(loss=loss)
-            if rank == 0:
-                value = float(loss.detach())
-                if math.isfinite(value):
-                    prev = state["loss"]
-                    state["loss"] = value if prev is None else 0.9 * prev + 0.1 * value
-                now = time.perf_counter()
-                since = now - (state["last_eval"] if state["last_eval"] is not None else start)
-                if since > fallback_after and not opt.finished:
-                    record(accuracy(), "loop")
-                progress.step(now, describe)
-            if opt.finished:
-                break
-        epoch += 1
-    opt.finish()
-    end = time.perf_counter()
-    wall = end - start
-
-    counters = _jsonable(opt.counters())
-    final_accuracy = accuracy() if rank == 0 else None
-    reason = stop_reason(opt.strategy, counters) if rank == 0 else None
-    mine = {"rank": rank, "wall_s": wall, "counters": counters,
-            "compute_factor": hetero.compute_factor,
-            "link": None if hetero.link is None else [hetero.link.latency_s, hetero.link.bytes_per_s]}
-    everyone = MPI.COMM_WORLD.gather(mine, root=0)
-    if rank != 0:
-        return 0
-
-    record(final_accuracy, "final")
-    metrics.close()
-    progress.close(f"done: acc {final_accuracy:.3f}")
-    rows = read_metrics(metrics_path)
-    ttt = time_to_target(rows, args.target_accuracy)
-    plan = getattr(opt, "plan", None)
-    summary = {
-        "strategy": args.strategy,
-        "ranks": size,
-        "model": args.model,
-        "dataset": args.dataset,
-        "seed": args.seed,
-        "batch_size": args.batch_size,
-        "lr": args.lr,
-        "compute_slowdown": [r["compute_factor"] for r in everyone],
-        "link": [r["link"] for r in everyone],
-        "target_accuracy": args.target_accuracy,
-        "max_seconds": args.max_seconds,
-        "max_commits": args.max_commits,
-        "time_to_target_s": ttt,
-        "final_accuracy": final_accuracy,
-        "wall_s": wall,
-        "utilization": [r["counters"].get("compute_s", 0.0) / max(r["wall_s"], 1e-9)
-                        for r in everyone],
-        "bytes_sent": int(sum(bytes_sent(r["counters"]) for r in everyone)),
-        "commits": int(sum(r["counters"].get("commits") or 0 for r in everyone)),
-        "local_steps": int(sum(r["counters"].get("local_steps") or 0 for r in everyone)),
-        "evaluations": len(rows),
-        "stop_reason": reason,
-        "plan": _jsonable(plan.to_dict()) if plan is not None and hasattr(plan, "to_dict") else None,
-        "per_rank": everyone,
-        "files": {"metrics": "metrics.jsonl", "timeline": os.environ.get("ASHL_TIMELINE"),
-                  "plot": "curves.png"},
-    }
-    tmp = os.path.join(out, "summary.json.tmp")
-    with open(tmp, "w") as f:
-        json.dump(_jsonable(summary), f, indent=1)
-    os.replace(tmp, os.path.join(out, "summary.json"))
-    title = (f"{args.strategy} on {size} rank{'s' if size != 1 else ''}, {args.model}/{args.dataset}, "
-             f"compute x{','.join(f'{c:g}' for c in summary['compute_slowdown'])}")
-    try:
-        plot_curves(rows, os.path.join(out, "curves.png"), title, args.target_accuracy)
-    except Exception as e:   # a plot is not worth losing the run's results
-        print(f"{PROG}: could not draw the plot: {e}", file=sys.stderr)
-    ttt_text = "missed" if ttt is None else f"{ttt:.1f} s"
-    print(f"{args.strategy}: {size} rank{'s' if size != 1 else ''}, final accuracy {final_accuracy:.4f}, "
-          f"time to target {ttt_text}, wall {wall:.1f} s, commits {summary['commits']}, "
-          f"utilization {' '.join(f'{u:.0%}' for u in summary['utilization'])}; "
-          f"stop: {reason or 'n/a'}")
-    print(f"  results in {out}/ (summary.json, metrics.jsonl, curves.png, timeline.json)")
-    return 0
+    os.environ.setdefault("ASHL_TIMELINE", os.path.abspath(os.path.join(args.out, "timeline.json")))
+    return Run(args, data, rank, size, MPI.COMM_WORLD).execute()
 
 
 if __name__ == "__main__":
