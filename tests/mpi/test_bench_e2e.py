@@ -38,7 +38,8 @@ def test_default_cluster_per_rank_count():
     assert e2e.default_factors(4) == [1, 1, 2, 4]
     assert e2e.default_factors(6) == [1, 1, 2, 4, 1, 1]
     assert e2e.default_factors(2) == [1, 4] and e2e.default_factors(1) == [1]
-    assert e2e._factors("--x", "1,2", 4) == ([1, 2, 1, 1], None)
+    assert e2e.rank_factors("--x", "1,2", 4) == [1, 2, 1, 1]
+    assert e2e.rank_factors("--x", None, 4) == e2e.default_factors(4)
 
 
 def test_homogeneous_scenario_sets_every_factor_to_one(tmp_path):

@@ -1,17 +1,17 @@
 """``python -m ashl.bench COMMAND [options]``: dispatch to the subcommands in ``SUBCOMMANDS``."""
 from __future__ import annotations
 
-import argparse
 import importlib
 import sys
 
 from ashl.bench import SUBCOMMANDS
+from ashl.cli import OneLineParser
 
 
-def build_parser(load: str | None = None) -> argparse.ArgumentParser:
-    """The CLI parser. Only subcommand ``load`` gets its options (its module is imported)."""
-    parser = argparse.ArgumentParser(prog="python -m ashl.bench",
-                                     description="ashl benchmarks")
+def build_parser(load: str | None = None) -> OneLineParser:
+    """The CLI parser. Only subcommand ``load`` gets its options (its module is imported).
+    A bad option is one line, ``ashl.bench COMMAND: error: ...``, as the subcommands' own."""
+    parser = OneLineParser(prog="ashl.bench", description="ashl benchmarks")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module, help_text) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)

@@ -34,11 +34,16 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from ..cli import (OptionError, add_run_options, check_factor_count, check_run_options,
+                   error_line, format_factors, parse_factors, parse_link, parse_strategies)
 from ..emulation import DEFAULT_LINK
 from ..launch_env import launch_env
 from ..strategies import STRATEGIES
+
+PROG = "ashl.bench e2e"
 
 # The order of the comparison; only those in STRATEGIES run by default.
 DEFAULT_ORDER = ("ashl", "ashl-sync", "bsp", "localsgd", "ssp", "asp", "adsp")
@@ -61,27 +66,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"comma-separated (default: those of {','.join(DEFAULT_ORDER)} that exist; "
                         f"now {','.join(default_strategies())})")
     p.add_argument("--ranks", type=int, default=4)
-    p.add_argument("--compute-slowdown", default=None, metavar="F0,F1,...",
-                   help="per-rank compute slowdown factors (default 1,1,2,4 on 4 ranks; "
-                        "see default_factors for other rank counts)")
-    p.add_argument("--link-slowdown", default=None, metavar="F0,F1,...",
-                   help="per-rank link slowdown factors of --link-base (default as compute)")
-    p.add_argument("--link-base", default=None, metavar="LATENCY_S,BYTES_PER_S",
-                   help=f"the factor-1 link (default {DEFAULT_LINK.latency_s:g},"
-                        f"{DEFAULT_LINK.bytes_per_s:g})")
+    add_run_options(p, max_seconds=60.0, target_accuracy=DEFAULT_TARGET,
+                    factors_default="default 1,1,2,4 on 4 ranks (see default_factors for "
+                                    "other rank counts)")
     p.add_argument("--homogeneous", action="store_true",
                    help="the control scenario: every factor 1 (the factor-1 link still emulated)")
-    p.add_argument("--model", default="mlp")
-    p.add_argument("--dataset", default="digits")
-    p.add_argument("--target-accuracy", type=float, default=DEFAULT_TARGET)
-    p.add_argument("--max-seconds", type=float, default=60.0,
-                   help="time budget of each strategy's run (profiling included)")
     p.add_argument("--full-budget", action="store_true",
                    help="do not stop at the target: every run uses its whole --max-seconds")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--eval-every", type=float, default=None, metavar="SECONDS")
     p.add_argument("--timeout", type=float, default=None,
                    help="kill a run after this many seconds (default: --max-seconds + 120)")
     p.add_argument("--mpirun", default="mpirun", help="the launcher command")
@@ -104,7 +95,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _error(message: str) -> int:
-    print(f"ashl.bench e2e: error: {message}", file=sys.stderr)
+    print(error_line(PROG, message), file=sys.stderr)
     return 2
 
 
@@ -115,22 +106,13 @@ def default_factors(ranks: int) -> list[float]:
     return [[1.0], [1.0, 4.0], [1.0, 2.0, 4.0]][ranks - 1]
 
 
-def _factors(option: str, text: Optional[str], ranks: int) -> tuple[Optional[list[float]], Optional[str]]:
+def rank_factors(option: str, text: Optional[str], ranks: int) -> list[float]:
+    """One factor per rank: the option's list padded with 1s, default_factors without it."""
     if text is None:
-        return default_factors(ranks), None
-    try:
-        values = [float(x.strip()) for x in text.split(",")]
-    except ValueError:
-        return None, f"{option} {text!r}: expected comma-separated factors >= 1, e.g. 1,1,2,4"
-    if any(not math.isfinite(v) or v < 1 for v in values):
-        return None, f"{option} {text!r}: every factor must be a finite number >= 1"
-    if len(values) > ranks:
-        return None, f"{option} {text!r} lists {len(values)} factors for --ranks {ranks}"
-    return values + [1.0] * (ranks - len(values)), None
-
-
-def _fmt_list(values: Sequence[float]) -> str:
-    return ",".join(f"{v:g}" for v in values)
+        return default_factors(ranks)
+    values = parse_factors(option, text)
+    check_factor_count(option, text, values, ranks)
+    return values + [1.0] * (ranks - len(values))
 
 
 def _mpi_env() -> dict:
@@ -163,9 +145,9 @@ def train_command(args, strategy: str, run_dir: str, compute: Sequence[float],
            "-x", "OMP_NUM_THREADS", "-x", "PYTHONPATH", "-x", "PYTHONUNBUFFERED",
            sys.executable, "-m", "ashl.train", "--strategy", strategy,
            "--model", args.model, "--dataset", args.dataset,
-           "--compute-slowdown", _fmt_list(compute)]
+           "--compute-slowdown", format_factors(compute)]
     if hosts is None:
-        cmd += ["--link-slowdown", _fmt_list(link)]
+        cmd += ["--link-slowdown", format_factors(link)]
     cmd += ["--max-seconds", f"{args.max_seconds:g}", "--seed", str(args.seed),
             "--batch-size", str(args.batch_size), "--lr", f"{args.lr:g}",
             "--out", run_dir, "--no-progress"]
@@ -209,7 +191,27 @@ def run_strategy(args, strategy: str, run_dir: str, compute, link, timeout: floa
     cmd = train_command(args, strategy, train_dir, compute, link, hosts)
     log_path = os.path.join(run_dir, "log.txt")
     t0 = time.monotonic()
-    status, error = "ok", None
+    status, error = launch(cmd, log_path, timeout, copy_back=(train_dir, run_dir))
+    if status == "ok" and not os.path.exists(summary_path):
+        status, error = "failed", "no summary.json"
+    result = {"strategy": strategy, "status": status, "launch_s": round(time.monotonic() - t0, 2),
+              "run_dir": run_dir}
+    if status != "ok":
+        result["error"] = f"{error}; last lines of {log_path}:\n" + _tail(log_path, 15)
+        rows = _metrics(run_dir)
+        if rows:   # what a timed-out run got to is still worth a curve
+            result["time_to_target_s"] = _time_to_target(rows, args.target_accuracy)
+        return result
+    result.update(read_summary(run_dir, args.target_accuracy))
+    return result
+
+
+def launch(cmd: Sequence[str], log_path: str, timeout: float,
+           copy_back: tuple[str, str]) -> tuple[str, Optional[str]]:
+    """Run `cmd` in its own process group, its output into `log_path`, killed after
+    `timeout`; then copy folder copy_back[0] into copy_back[1] (if they differ). Returns
+    (status, error): ("ok", None), ("timeout", why) or ("failed", why)."""
+    src, dst = copy_back
     with open(log_path, "w") as log:
         log.write("$ " + " ".join(shlex.quote(c) for c in cmd) + "\n")
         log.flush()
@@ -217,48 +219,28 @@ def run_strategy(args, strategy: str, run_dir: str, compute, link, timeout: floa
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_mpi_env(),
                                     start_new_session=True)
         except OSError as e:
-            return {"strategy": strategy, "status": "failed", "error": f"cannot start {cmd[0]}: {e}",
-                    "run_dir": run_dir}
+            return "failed", f"cannot start {cmd[0]}: {e}"
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             _kill_group(proc)
-            rc = None
-            status, error = "timeout", f"killed after {timeout:g} s"
+            return "timeout", f"killed after {timeout:g} s"
         except BaseException:
             _kill_group(proc)
             raise
         finally:
-            if train_dir != run_dir and os.path.isdir(train_dir):
-                shutil.copytree(train_dir, run_dir, dirs_exist_ok=True)
-    elapsed = time.monotonic() - t0
-    if rc not in (0, None):
-        status, error = "failed", f"exit status {rc}"
-    result = {"strategy": strategy, "status": status, "launch_s": round(elapsed, 2),
-              "run_dir": run_dir}
-    if status == "ok" and not os.path.exists(summary_path):
-        status, error = "failed", "no summary.json"
-        result["status"] = status
-    if status != "ok":
-        result["error"] = f"{error}; last lines of {log_path}:\n" + _tail(log_path, 15)
-        rows = _metrics(run_dir)
-        if rows:   # what a timed-out run got to is still worth a curve
-            result["time_to_target_s"] = _time_to_target(rows, args.target_accuracy)
-        return result
-    with open(summary_path) as f:
+            if src != dst and os.path.isdir(src):
+                shutil.copytree(src, dst, dirs_exist_ok=True)
+    return ("ok", None) if rc == 0 else ("failed", f"exit status {rc}")
+
+
+def read_summary(run_dir: str, target: float) -> dict:
+    """A finished run's numbers, from its summary.json and metrics.jsonl."""
+    with open(os.path.join(run_dir, "summary.json")) as f:
         s = json.load(f)
-    rows = _metrics(run_dir)
-    result.update(
-        time_to_target_s=_time_to_target(rows, args.target_accuracy),
-        final_accuracy=s.get("final_accuracy"),
-        utilization=s.get("utilization"),
-        bytes_sent=s.get("bytes_sent"),
-        commits=s.get("commits"),
-        local_steps=s.get("local_steps"),
-        wall_s=s.get("wall_s"),
-        stop_reason=s.get("stop_reason"),
-    )
-    return result
+    return dict(time_to_target_s=_time_to_target(_metrics(run_dir), target),
+                **{key: s.get(key) for key in ("final_accuracy", "utilization", "bytes_sent",
+                                               "commits", "local_steps", "wall_s", "stop_reason")})
 
 
 def _tail(path: str, n: int) -> str:
@@ -362,32 +344,33 @@ def plot(results: Sequence[dict], path: str, target: float, title: str) -> None:
     plt.close(fig)
 
 
-def _netns_rates(args, link: Sequence[float]) -> tuple[Optional[list[str]], Optional[str]]:
-    """--netns: every rank's link rate (tc text), or why the mode cannot run here."""
+def _netns_rates(args, link: Sequence[float]) -> list[str]:
+    """--netns: every rank's link rate (tc text); OptionError: why the mode cannot run here."""
     from .. import netns
     if args.link_base:
-        return None, (f"--link-base {args.link_base!r} has no meaning with --netns (the links are "
-                      "real): set the factor-1 link with --netns-rate")
+        raise OptionError(f"--link-base {args.link_base!r} has no meaning with --netns (the links "
+                          "are real): set the factor-1 link with --netns-rate")
     try:
         base = netns.parse_rate(args.netns_rate)
     except ValueError as e:
-        return None, f"--netns-rate {e}"
+        raise OptionError(f"--netns-rate {e}") from None
     if args.ranks > netns.MAX_HOSTS:
-        return None, f"--netns --ranks {args.ranks}: at most {netns.MAX_HOSTS} hosts fit {netns.SUBNET}"
+        raise OptionError(f"--netns --ranks {args.ranks}: at most {netns.MAX_HOSTS} hosts fit "
+                          f"{netns.SUBNET}")
     if not netns.is_root():
-        return None, "--netns needs root (it creates network namespaces and tc qdiscs)"
+        raise OptionError("--netns needs root (it creates network namespaces and tc qdiscs)")
     if shutil.which("ip") is None:
-        return None, "--netns needs `ip netns` (iproute2), and `ip` is not installed"
+        raise OptionError("--netns needs `ip netns` (iproute2), and `ip` is not installed")
     reason = netns.skip_reason()
     if reason:
         first = reason.strip().splitlines()[0]
-        return None, f"--netns: cannot emulate hosts here: {first}"
+        raise OptionError(f"--netns: cannot emulate hosts here: {first}")
     busy = netns.namespaces_in_use()
     if busy:   # the names are machine-wide: re-making them would cut another run's hosts off
-        return None, ("--netns: the emulated hosts are in use by another run (" +
-                      "; ".join(f"{n}: pids {' '.join(map(str, p[:5]))}" for n, p in busy.items()) +
-                      "); wait for it to end")
-    return [netns.format_rate(base / f) for f in link], None
+        raise OptionError("--netns: the emulated hosts are in use by another run (" +
+                          "; ".join(f"{n}: pids {' '.join(map(str, p[:5]))}"
+                                    for n, p in busy.items()) + "); wait for it to end")
+    return [netns.format_rate(base / f) for f in link]
 
 
 class _NetnsHosts:
@@ -451,89 +434,99 @@ class _no_hosts:
         return None
 
 
-def run(args) -> int:
-    names = (default_strategies() if args.strategies is None
-             else [s.strip() for s in args.strategies.split(",") if s.strip()])
-    if not names:
-        return _error(f"--strategies {args.strategies!r}: no strategy named")
-    unknown = [s for s in names if s not in STRATEGIES]
-    if unknown:
-        return _error(f"--strategies {args.strategies!r}: unknown {', '.join(map(repr, unknown))} "
-                      f"(known: {', '.join(STRATEGIES)})")
-    if len(set(names)) != len(names):
-        return _error(f"--strategies {args.strategies!r}: a strategy is named twice")
+@dataclass
+class Setup:
+    """The benchmark's checked options: what runs, on which emulated cluster."""
+    names: list[str]                # the strategies, in order
+    compute: list[float]            # per-rank compute slowdown
+    link: list[float]               # per-rank link slowdown
+    timeout: float                  # seconds before a run is killed
+    rates: Optional[list[str]]      # --netns: per-rank link rate (tc), else None
+
+
+def check(args) -> Setup:
+    """Every option, before anything runs; a bad one raises OptionError."""
+    names = parse_strategies(args.strategies, default_strategies())
     if args.ranks < 1:
-        return _error(f"--ranks {args.ranks}: must be >= 1")
-    if not (math.isfinite(args.max_seconds) and args.max_seconds > 0):
-        return _error(f"--max-seconds {args.max_seconds:g}: must be a finite number > 0")
-    if not 0 < args.target_accuracy <= 1:
-        return _error(f"--target-accuracy {args.target_accuracy:g}: must be in (0, 1]")
+        raise OptionError(f"--ranks {args.ranks}: must be >= 1")
+    # Under --hostfile, a cifar10:DIR need not exist here, only on the hosts.
+    check_run_options(args, dataset_must_exist=args.hostfile is None)
     if args.homogeneous:
         compute, link = [1.0] * args.ranks, [1.0] * args.ranks
     else:
-        compute, err = _factors("--compute-slowdown", args.compute_slowdown, args.ranks)
-        if err:
-            return _error(err)
-        link, err = _factors("--link-slowdown", args.link_slowdown, args.ranks)
-        if err:
-            return _error(err)
+        compute = rank_factors("--compute-slowdown", args.compute_slowdown, args.ranks)
+        link = rank_factors("--link-slowdown", args.link_slowdown, args.ranks)
+    if not args.netns:
+        parse_link(args.link_base)   # --netns refuses any --link-base (_netns_rates)
     if args.hostfile is not None:
-        from ..hostfile import HostfileError, parse_hostfile
-        if args.netns:
-            return _error(f"--hostfile {args.hostfile!r}: --netns makes its own hosts")
-        try:
-            slots = sum(h.slots for h in parse_hostfile(args.hostfile))
-        except HostfileError as exc:
-            return _error(f"--hostfile {args.hostfile!r}: {exc}")
-        if slots < args.ranks:
-            return _error(f"--hostfile {args.hostfile!r}: {slots} slots for --ranks {args.ranks}")
+        check_hostfile(args)
     timeout = args.timeout if args.timeout is not None else args.max_seconds + 120
     if not (math.isfinite(timeout) and timeout > 0):
-        return _error(f"--timeout {timeout:g}: must be a finite number > 0")
-    rates = None
-    if args.netns:
-        rates, err = _netns_rates(args, link)
-        if err:
-            return _error(err)
-    json_path = os.path.abspath(args.json)
-    out = os.path.abspath(args.out) if args.out else os.path.dirname(json_path)
-    os.makedirs(out, exist_ok=True)
-    os.makedirs(os.path.dirname(json_path), exist_ok=True)
-    stem = os.path.splitext(json_path)[0]
+        raise OptionError(f"--timeout {timeout:g}: must be a finite number > 0")
+    rates = _netns_rates(args, link) if args.netns else None
+    return Setup(names, compute, link, timeout, rates)
 
-    scenario = {
+
+def check_hostfile(args) -> None:
+    from ..hostfile import HostfileError, parse_hostfile
+    if args.netns:
+        raise OptionError(f"--hostfile {args.hostfile!r}: --netns makes its own hosts")
+    try:
+        slots = sum(h.slots for h in parse_hostfile(args.hostfile))
+    except HostfileError as exc:
+        raise OptionError(f"--hostfile {args.hostfile!r}: {exc}") from None
+    if slots < args.ranks:
+        raise OptionError(f"--hostfile {args.hostfile!r}: {slots} slots for --ranks {args.ranks}")
+
+
+def scenario(args, setup: Setup) -> dict:
+    """The report's "scenario": everything the runs had in common."""
+    sc = {
         "name": "homogeneous" if args.homogeneous else "heterogeneous",
-        "ranks": args.ranks, "compute_slowdown": compute, "link_slowdown": link,
+        "ranks": args.ranks, "compute_slowdown": setup.compute, "link_slowdown": setup.link,
         "link_base": (None if args.netns else
                       args.link_base or f"{DEFAULT_LINK.latency_s:g},{DEFAULT_LINK.bytes_per_s:g}"),
         "netns": bool(args.netns),
         "model": args.model, "dataset": args.dataset, "seed": args.seed,
         "batch_size": args.batch_size, "lr": args.lr,
         "target_accuracy": args.target_accuracy, "max_seconds": args.max_seconds,
-        "stop_at_target": not args.full_budget, "timeout_s": timeout,
-        "strategies": names, "host": platform.node(), "cpus": os.cpu_count(),
+        "stop_at_target": not args.full_budget, "timeout_s": setup.timeout,
+        "strategies": setup.names, "host": platform.node(), "cpus": os.cpu_count(),
     }
     if args.netns:
         from .. import netns
-        scenario.update(netns_rate=args.netns_rate, link_rates=rates,
-                        link_bits_per_s=[netns.parse_rate(r) for r in rates],
-                        hosts=[f"{netns.PREFIX}{i}" for i in range(args.ranks)],
-                        addresses=[netns.address(i) for i in range(args.ranks)])
-    links_text = (f"shaped links (netns) {args.netns_rate} / x{_fmt_list(link)}" if args.netns
-                  else f"link x{_fmt_list(link)}")
-    print(f"e2e: {len(names)} strategies on {args.ranks} ranks, {args.model}/{args.dataset}, "
-          f"compute x{_fmt_list(compute)}, {links_text}, target {args.target_accuracy:g}, "
-          f"budget {args.max_seconds:g} s each", flush=True)
+        sc.update(netns_rate=args.netns_rate, link_rates=setup.rates,
+                  link_bits_per_s=[netns.parse_rate(r) for r in setup.rates],
+                  hosts=[f"{netns.PREFIX}{i}" for i in range(args.ranks)],
+                  addresses=[netns.address(i) for i in range(args.ranks)])
+    return sc
+
+
+def _links_text(args, setup: Setup) -> str:
     if args.netns:
-        print(f"     hosts ashl-h0..h{args.ranks - 1}, link rates {', '.join(rates)} "
+        return f"shaped links (netns) {args.netns_rate} / x{format_factors(setup.link)}"
+    return f"link x{format_factors(setup.link)}"
+
+
+def announce(args, setup: Setup) -> None:
+    print(f"e2e: {len(setup.names)} strategies on {args.ranks} ranks, {args.model}/{args.dataset}, "
+          f"compute x{format_factors(setup.compute)}, {_links_text(args, setup)}, "
+          f"target {args.target_accuracy:g}, budget {args.max_seconds:g} s each", flush=True)
+    if args.netns:
+        print(f"     hosts ashl-h0..h{args.ranks - 1}, link rates {', '.join(setup.rates)} "
               "(tbf on both ends)", flush=True)
-    with _NetnsHosts(args.ranks, rates) if args.netns else _no_hosts() as (hosts, work):
-        results = []
-        for name in names:
-            run_dir = os.path.join(out, name)
+
+
+def run_all(args, setup: Setup, out: str) -> list[dict]:
+    """Every strategy in turn (on --netns hosts made for the occasion); one line each."""
+    results = []
+    hosts_made = _NetnsHosts(args.ranks, setup.rates) if args.netns else _no_hosts()
+    with hosts_made as (hosts, work):
+        for name in setup.names:
             train_dir = os.path.join(work, "runs", name) if work else None
             t0 = time.monotonic()
-            r = run_strategy(args, name, run_dir, compute, link, timeout, hosts, train_dir)
+            r = run_strategy(args, name, os.path.join(out, name), setup.compute, setup.link,
+                             setup.timeout, hosts, train_dir)
             if hosts is not None:
                 stray = hosts.stop_processes()
                 if stray:
@@ -546,17 +539,23 @@ def run(args) -> int:
                       f"with start-up)", flush=True)
             else:
                 print(f"  {name:10s} {r['status'].upper()}: {r['error']}", flush=True)
+    return results
 
+
+def write_report(args, setup: Setup, sc: dict, results: list[dict], json_path: str) -> None:
+    """The JSON report, the Markdown table and the plot beside it; the table printed."""
+    names = setup.names
     of = next((s for s in ASHL_FAMILY if s in names), None)
     exact, at_least = speedups(results, of) if of else ({}, {})
-    report = {"scenario": scenario, "results": results,
+    report = {"scenario": sc, "results": results,
               "speedup_of": of, "speedup_vs": exact, "speedup_at_least_vs": at_least,
               "speedups": {s: speedups(results, s)[0] for s in ASHL_FAMILY if s in names}}
     with open(json_path, "w") as f:
         json.dump(report, f, indent=1)
     md = table(results, args.target_accuracy, of, exact, at_least)
-    scen = (f"{scenario['name']}: {args.ranks} ranks, compute x{_fmt_list(compute)}, "
-            f"{links_text}, {args.model}/{args.dataset}, seed {args.seed}")
+    scen = (f"{sc['name']}: {args.ranks} ranks, compute x{format_factors(setup.compute)}, "
+            f"{_links_text(args, setup)}, {args.model}/{args.dataset}, seed {args.seed}")
+    stem = os.path.splitext(json_path)[0]
     with open(stem + ".md", "w") as f:
         f.write(f"# ashl e2e ({scen})\n\n{md}\n")
     png = stem + ".png"
@@ -565,12 +564,25 @@ def run(args) -> int:
     except Exception as e:
         print(f"e2e: could not draw the plot: {e}", file=sys.stderr)
         png = None
-    print()
-    print(md)
-    print()
+    print(f"\n{md}\n")
     print(f"results: {json_path}\ntable:   {stem}.md")
     if png:
         print(f"plot:    {png}")
+
+
+def run(args) -> int:
+    try:
+        setup = check(args)
+    except OptionError as e:
+        return _error(str(e))
+    json_path = os.path.abspath(args.json)
+    out = os.path.abspath(args.out) if args.out else os.path.dirname(json_path)
+    os.makedirs(out, exist_ok=True)
+    os.makedirs(os.path.dirname(json_path), exist_ok=True)
+    sc = scenario(args, setup)
+    announce(args, setup)
+    results = run_all(args, setup, out)
+    write_report(args, setup, sc, results, json_path)
     failed = [r["strategy"] for r in results if r["status"] != "ok"]
     if failed:
         print(f"e2e: {len(failed)} strateg{'y' if len(failed) == 1 else 'ies'} failed: "
