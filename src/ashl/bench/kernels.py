@@ -171,182 +171,219 @@ def cat(ts: List[torch.Tensor]) -> torch.Tensor:
 
 
 def build_case(op: str, L: ListData, K) -> Case:
-    dev, n = L.device, L.n
+    """The case of `op` on parameter list `L`, `K` being ashl.kernels."""
+    try:
+        builder = _BUILDERS[op]
+    except KeyError:
+        raise ValueError(f"unknown op {op}") from None
+    return builder(L, K)
 
-    if op in ("pack_delta", "pack_delta+residual", "pack_delta_fp16"):
-        fp, fa = L.flat_random(), L.flat_random()
-        P, A = L.as_list(fp), L.as_list(fa)
-        if op == "pack_delta":
-            out = torch.empty(n, device=dev)
-            V = L.views(out)
-            fns = {
-                "ashl": lambda: K.pack_delta(P, A, out),
-                "foreach": lambda: (torch._foreach_copy_(V, P), torch._foreach_sub_(V, A)),
-                "flat": lambda: torch.sub(fp, fa, out=out),
-            }
-            nbytes, rtol, atol = 3 * 4 * n, 0.0, 0.0
-        elif op == "pack_delta+residual":
-            fr = L.flat_random(0.01)
-            R = L.as_list(fr)
-            out = torch.empty(n, device=dev)
-            V = L.views(out)
 
-            def foreach():  # four passes
-                torch._foreach_copy_(V, P)
-                torch._foreach_sub_(V, A)
-                torch._foreach_mul_(V, SCALE)
-                torch._foreach_add_(V, R)
+def _result_of(fns: Dict[str, Callable[[], object]],
+               out: torch.Tensor) -> Callable[[str], torch.Tensor]:
+    """For ops that write `out` and read nothing they write: run the variant, return out."""
+    def result(v):
+        fns[v]()
+        return out.float().cpu()
+    return result
 
-            def flat():  # two passes: out = p - a; out = r + scale * out
-                torch.sub(fp, fa, out=out)
-                torch.add(fr, out, alpha=SCALE, out=out)
 
-            fns = {"ashl": lambda: K.pack_delta(P, A, out, SCALE, R), "foreach": foreach,
-                   "flat": flat}
-            nbytes, rtol, atol = 4 * 4 * n, 1e-5, 1e-6
-        else:
-            out = torch.empty(n, dtype=torch.float16, device=dev)
-            V = L.views(out)
-            # foreach has no out= form: compute the fp32 difference, then cast into the buffer
-            fns = {
-                "ashl": lambda: K.pack_delta(P, A, out),
-                "foreach": lambda: torch._foreach_copy_(V, torch._foreach_sub(P, A)),
-                "flat": lambda: torch.sub(fp, fa, out=out),  # fp32 math, cast on store
-            }
-            nbytes, rtol, atol = (4 + 4 + 2) * n, 1e-3, 1e-3
+def _pack_delta(L: ListData, K) -> Case:
+    fp, fa = L.flat_random(), L.flat_random()
+    P, A = L.as_list(fp), L.as_list(fa)
+    out = torch.empty(L.n, device=L.device)
+    V = L.views(out)
+    fns = {
+        "ashl": lambda: K.pack_delta(P, A, out),
+        "foreach": lambda: (torch._foreach_copy_(V, P), torch._foreach_sub_(V, A)),
+        "flat": lambda: torch.sub(fp, fa, out=out),
+    }
+    return Case("pack_delta", L.name, L.n, 3 * 4 * L.n, fns, _result_of(fns, out), 0.0, 0.0)
 
-        def result(v):
+
+def _pack_delta_residual(L: ListData, K) -> Case:
+    fp, fa = L.flat_random(), L.flat_random()
+    P, A = L.as_list(fp), L.as_list(fa)
+    fr = L.flat_random(0.01)
+    R = L.as_list(fr)
+    out = torch.empty(L.n, device=L.device)
+    V = L.views(out)
+
+    def foreach():  # four passes
+        torch._foreach_copy_(V, P)
+        torch._foreach_sub_(V, A)
+        torch._foreach_mul_(V, SCALE)
+        torch._foreach_add_(V, R)
+
+    def flat():  # two passes: out = p - a; out = r + scale * out
+        torch.sub(fp, fa, out=out)
+        torch.add(fr, out, alpha=SCALE, out=out)
+
+    fns = {"ashl": lambda: K.pack_delta(P, A, out, SCALE, R), "foreach": foreach, "flat": flat}
+    return Case("pack_delta+residual", L.name, L.n, 4 * 4 * L.n, fns, _result_of(fns, out),
+                1e-5, 1e-6)
+
+
+def _pack_delta_fp16(L: ListData, K) -> Case:
+    fp, fa = L.flat_random(), L.flat_random()
+    P, A = L.as_list(fp), L.as_list(fa)
+    out = torch.empty(L.n, dtype=torch.float16, device=L.device)
+    V = L.views(out)
+    # foreach has no out= form: compute the fp32 difference, then cast into the buffer
+    fns = {
+        "ashl": lambda: K.pack_delta(P, A, out),
+        "foreach": lambda: torch._foreach_copy_(V, torch._foreach_sub(P, A)),
+        "flat": lambda: torch.sub(fp, fa, out=out),  # fp32 math, cast on store
+    }
+    return Case("pack_delta_fp16", L.name, L.n, (4 + 4 + 2) * L.n, fns, _result_of(fns, out),
+                1e-3, 1e-3)
+
+
+def _unpack(op: str, L: ListData, K) -> Case:
+    """unpack_assign / unpack_add: params and anchors from a flat buffer."""
+    n, dev = L.n, L.device
+    ff, fa0 = L.flat_random(0.01), L.flat_random()
+    P, A = L.as_list(torch.zeros(n, device=dev)), L.as_list(fa0)
+    fp, fa = torch.zeros(n, device=dev), fa0.clone()
+    V = L.views(ff)
+    if op == "unpack_assign":
+        fns = {
+            "ashl": lambda: K.unpack_assign(P, A, ff),
+            "foreach": lambda: (torch._foreach_copy_(P, V), torch._foreach_copy_(A, V)),
+            "flat": lambda: (fp.copy_(ff), fa.copy_(ff)),
+        }
+        nbytes = 3 * 4 * n
+    else:
+        fns = {
+            "ashl": lambda: K.unpack_add(P, A, ff),
+            "foreach": lambda: (torch._foreach_add_(A, V), torch._foreach_copy_(P, A)),
+            "flat": lambda: (fa.add_(ff), fp.copy_(fa)),
+        }
+        nbytes = 4 * 4 * n
+
+    def result(v):
+        # start from the same anchors, then return params and anchors
+        if v == "flat":
+            fa.copy_(fa0)
+            fp.zero_()
             fns[v]()
-            return out.float().cpu()
+            return torch.cat([fp.cpu(), fa.cpu()])
+        torch._foreach_copy_(A, L.views(fa0))
+        torch._foreach_zero_(P)
+        fns[v]()
+        return torch.cat([cat(P), cat(A)])
 
-        return Case(op, L.name, n, nbytes, fns, result, rtol, atol)
+    return Case(op, L.name, n, nbytes, fns, result, 0.0, 0.0)
 
-    if op in ("unpack_assign", "unpack_add"):
-        ff, fa0 = L.flat_random(0.01), L.flat_random()
-        P, A = L.as_list(torch.zeros(n, device=dev)), L.as_list(fa0)
-        fp, fa = torch.zeros(n, device=dev), fa0.clone()
-        V = L.views(ff)
-        if op == "unpack_assign":
-            fns = {
-                "ashl": lambda: K.unpack_assign(P, A, ff),
-                "foreach": lambda: (torch._foreach_copy_(P, V), torch._foreach_copy_(A, V)),
-                "flat": lambda: (fp.copy_(ff), fa.copy_(ff)),
-            }
-            nbytes = 3 * 4 * n
-        else:
-            fns = {
-                "ashl": lambda: K.unpack_add(P, A, ff),
-                "foreach": lambda: (torch._foreach_add_(A, V), torch._foreach_copy_(P, A)),
-                "flat": lambda: (fa.add_(ff), fp.copy_(fa)),
-            }
-            nbytes = 4 * 4 * n
 
-        def result(v):
-            # start from the same anchors, then return params and anchors
-            if v == "flat":
-                fa.copy_(fa0)
-                fp.zero_()
-                fns[v]()
-                return torch.cat([fp.cpu(), fa.cpu()])
-            torch._foreach_copy_(A, L.views(fa0))
-            torch._foreach_zero_(P)
-            fns[v]()
-            return torch.cat([cat(P), cat(A)])
+def _merge_dense(L: ListData, K) -> Case:
+    fd0, fe = L.flat_random(), L.flat_random(0.01)
+    D, E = L.as_list(fd0), L.as_list(fe)
+    fd = fd0.clone()
 
-        return Case(op, L.name, n, nbytes, fns, result, 0.0, 0.0)
+    def foreach():
+        if bool(torch.stack(torch._foreach_norm(E)).isfinite().all()):
+            torch._foreach_add_(D, E, alpha=MERGE_WEIGHT)
+            return True
+        return False
 
-    if op == "merge_dense":
-        fd0, fe = L.flat_random(), L.flat_random(0.01)
-        D, E = L.as_list(fd0), L.as_list(fe)
-        fd = fd0.clone()
+    def flat():
+        if bool(torch.stack(torch.aminmax(fe)).isfinite().all()):
+            fd.add_(fe, alpha=MERGE_WEIGHT)
+            return True
+        return False
 
-        def foreach():
-            if bool(torch.stack(torch._foreach_norm(E)).isfinite().all()):
-                torch._foreach_add_(D, E, alpha=MERGE_WEIGHT)
-                return True
-            return False
+    def ashl():
+        assert K.merge_dense(D, E, MERGE_WEIGHT)
 
-        def flat():
-            if bool(torch.stack(torch.aminmax(fe)).isfinite().all()):
-                fd.add_(fe, alpha=MERGE_WEIGHT)
-                return True
-            return False
+    fns = {"ashl": ashl, "foreach": foreach, "flat": flat}
 
-        def ashl():
-            assert K.merge_dense(D, E, MERGE_WEIGHT)
-
-        fns = {"ashl": ashl, "foreach": foreach, "flat": flat}
-
-        def result(v):
-            if v == "flat":
-                fd.copy_(fd0)
-                fns[v]()
-                return fd.cpu()
-            torch._foreach_copy_(D, L.views(fd0))
-            fns[v]()
-            return cat(D)
-
-        return Case(op, L.name, n, 3 * 4 * n, fns, result, 1e-6, 1e-6,
-                    "torch variants include a NaN/Inf guard")
-
-    if op == "merge_sparse":
-        nnz = max(1, int(n * SPARSE_DENSITY))
-        fd0 = L.flat_random()
-        fd = fd0.clone()
-        # Sorted ascending, as ashl.compression's top-k sends them.
-        idx = torch.randperm(n, generator=L._g)[:nnz].sort().values.to(torch.int32).to(dev)
-        # A scatter moves whole cache lines: its minimum traffic is every touched
-        # 64-byte line of dst read and written once, plus the indices and values.
-        lines = int(torch.unique(idx.long() // (64 // fd.element_size())).numel())
-        vals = L.flat_random(0.01)[:nnz].clone()
-
-        def flat():
-            if bool(torch.stack(torch.aminmax(vals)).isfinite().all()):
-                fd.index_add_(0, idx, vals, alpha=MERGE_WEIGHT)
-                return True
-            return False
-
-        def ashl():
-            assert K.merge_sparse(fd, idx, vals, MERGE_WEIGHT)
-
-        fns = {"ashl": ashl, "foreach": None, "flat": flat}
-
-        def result(v):
+    def result(v):
+        if v == "flat":
             fd.copy_(fd0)
             fns[v]()
             return fd.cpu()
+        torch._foreach_copy_(D, L.views(fd0))
+        fns[v]()
+        return cat(D)
 
-        return Case(op, L.name, n, nnz * (4 + 4) + lines * 64 * 2, fns, result, 1e-6, 1e-6,
-                    f"nnz={nnz} sorted, {lines} dst lines; no foreach form; "
-                    "flat = guarded index_add_")
+    return Case("merge_dense", L.name, L.n, 3 * 4 * L.n, fns, result, 1e-6, 1e-6,
+                "torch variants include a NaN/Inf guard")
 
-    if op == "weighted_sum":
-        flats = [L.flat_random() for _ in WS_WEIGHTS]
-        ins = [L.as_list(f) for f in flats]
-        O = L.as_list(torch.zeros(n, device=dev))
-        fo = torch.zeros(n, device=dev)
-        w = WS_WEIGHTS
 
-        def foreach():  # five passes
-            torch._foreach_copy_(O, ins[0])
-            torch._foreach_mul_(O, w[0])
-            for k in range(1, len(w)):
-                torch._foreach_add_(O, ins[k], alpha=w[k])
+def _merge_sparse(L: ListData, K) -> Case:
+    n, dev = L.n, L.device
+    nnz = max(1, int(n * SPARSE_DENSITY))
+    fd0 = L.flat_random()
+    fd = fd0.clone()
+    # Sorted ascending, as ashl.compression's top-k sends them.
+    idx = torch.randperm(n, generator=L._g)[:nnz].sort().values.to(torch.int32).to(dev)
+    # A scatter moves whole cache lines: its minimum traffic is every touched
+    # 64-byte line of dst read and written once, plus the indices and values.
+    lines = int(torch.unique(idx.long() // (64 // fd.element_size())).numel())
+    vals = L.flat_random(0.01)[:nnz].clone()
 
-        def flat():  # four passes
-            torch.mul(flats[0], w[0], out=fo)
-            for k in range(1, len(w)):
-                fo.add_(flats[k], alpha=w[k])
+    def flat():
+        if bool(torch.stack(torch.aminmax(vals)).isfinite().all()):
+            fd.index_add_(0, idx, vals, alpha=MERGE_WEIGHT)
+            return True
+        return False
 
-        fns = {"ashl": lambda: K.weighted_sum(O, ins, w), "foreach": foreach, "flat": flat}
+    def ashl():
+        assert K.merge_sparse(fd, idx, vals, MERGE_WEIGHT)
 
-        def result(v):
-            fns[v]()
-            return fo.cpu() if v == "flat" else cat(O)
+    fns = {"ashl": ashl, "foreach": None, "flat": flat}
 
-        return Case(op, L.name, n, (len(w) + 1) * 4 * n, fns, result, 1e-5, 1e-5)
+    def result(v):
+        fd.copy_(fd0)
+        fns[v]()
+        return fd.cpu()
 
-    raise ValueError(f"unknown op {op}")
+    return Case("merge_sparse", L.name, n, nnz * (4 + 4) + lines * 64 * 2, fns, result, 1e-6, 1e-6,
+                f"nnz={nnz} sorted, {lines} dst lines; no foreach form; "
+                "flat = guarded index_add_")
+
+
+def _weighted_sum(L: ListData, K) -> Case:
+    n, dev = L.n, L.device
+    flats = [L.flat_random() for _ in WS_WEIGHTS]
+    ins = [L.as_list(f) for f in flats]
+    O = L.as_list(torch.zeros(n, device=dev))
+    fo = torch.zeros(n, device=dev)
+    w = WS_WEIGHTS
+
+    def foreach():  # five passes
+        torch._foreach_copy_(O, ins[0])
+        torch._foreach_mul_(O, w[0])
+        for k in range(1, len(w)):
+            torch._foreach_add_(O, ins[k], alpha=w[k])
+
+    def flat():  # four passes
+        torch.mul(flats[0], w[0], out=fo)
+        for k in range(1, len(w)):
+            fo.add_(flats[k], alpha=w[k])
+
+    fns = {"ashl": lambda: K.weighted_sum(O, ins, w), "foreach": foreach, "flat": flat}
+
+    def result(v):
+        fns[v]()
+        return fo.cpu() if v == "flat" else cat(O)
+
+    return Case("weighted_sum", L.name, n, (len(w) + 1) * 4 * n, fns, result, 1e-5, 1e-5)
+
+
+# op -> its case builder, (ListData, ashl.kernels) -> Case
+_BUILDERS: Dict[str, Callable[[ListData, object], Case]] = {
+    "pack_delta": _pack_delta,
+    "pack_delta+residual": _pack_delta_residual,
+    "pack_delta_fp16": _pack_delta_fp16,
+    "unpack_assign": lambda L, K: _unpack("unpack_assign", L, K),
+    "unpack_add": lambda L, K: _unpack("unpack_add", L, K),
+    "merge_dense": _merge_dense,
+    "merge_sparse": _merge_sparse,
+    "weighted_sum": _weighted_sum,
+}
+assert list(_BUILDERS) == OPS
 
 
 # --------------------------------------------------------------------------------------------
