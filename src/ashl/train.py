@@ -122,14 +122,6 @@ def check_model(args) -> None:
 
 
 # ------------------------------------------------------------------------------ outputs
-def bytes_sent(counters: dict) -> int:
-    """Bytes a rank put on the wire: bytes_sent, else what it allreduced (ashl-sync)."""
-    value = counters.get("bytes_sent")
-    if value is None:
-        value = counters.get("bytes_allreduced")
-    return int(value or 0)
-
-
 def _jsonable(value):
     """Counters may hold numpy / torch scalars or objects: make them JSON."""
     if isinstance(value, dict):
@@ -470,7 +462,7 @@ def build_summary(args, everyone: Sequence[dict], rows: Sequence[dict], wall: fl
         "wall_s": wall,
         "utilization": [r["counters"].get("compute_s", 0.0) / max(r["wall_s"], 1e-9)
                         for r in everyone],
-        "bytes_sent": int(sum(bytes_sent(c) for c in counters)),
+        "bytes_sent": int(sum(c["bytes_sent"] for c in counters)),
         "commits": int(sum(c.get("commits") or 0 for c in counters)),
         "local_steps": int(sum(c.get("local_steps") or 0 for c in counters)),
         "evaluations": len(rows),
