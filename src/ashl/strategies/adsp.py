@@ -1,6 +1,6 @@
 """``adsp``: ADSP (Hu et al., "Distributed Machine Learning through Heterogeneous Edge
 Systems", AAAI'20) as ITS AUTHORS' CODE does it (joapolarbear/adsp, ``cifar10/strain.py``),
-not the ASHL authors' copy (ashl-algorithm.md section 8 lists that copy's bugs: a reward
+not the ASHL authors' copy (docs/ALGORITHM.md, F25 lists that copy's bugs: a reward
 that is identically 1, no local updates, the learning rate applied twice).
 
 Workers never wait. Each trains continuously with local optimizer steps and, every
