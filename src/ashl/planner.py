@@ -2,7 +2,7 @@
 
 Pure: no MPI, no torch. Everything here is a function of its arguments, so the same
 profiles and config give the same plan on every machine. docs/PLANNER.md has the
-formulas with a worked example; ashl-algorithm.md sections 3 and 10 explain which
+formulas with a worked example; docs/ALGORITHM.md sections 3 and 9 (F1-F25) explain which
 of the authors' rules are kept and which are fixed.
 
 Per rank i (all times in seconds):
@@ -133,7 +133,7 @@ class RankProfile:
 
 @dataclass(frozen=True)
 class PlannerConfig:
-    """Planner knobs. Defaults follow ashl-algorithm.md section 11."""
+    """Planner knobs. Defaults and the authors' values: docs/ALGORITHM.md section 7."""
 
     k_ahl: int = 8                      # local steps of the AHL bottleneck
     k_shl: int = 2                      # local steps of the SHL bottleneck

@@ -19,7 +19,7 @@ EXAMPLE = ROOT / "examples" / "profile.example.json"
 
 
 def reference_profiles():
-    # ashl-algorithm.md section 3.2's worked example
+    # the worked example of docs/ALGORITHM.md section 3 (made-up times, the authors' formulas)
     return profiles_from_columns(compute_s=[0.2, 0.3, 0.4], push_s=[0.2, 0.3, 0.4],
                                  pull_s=[0.2, 0.3, 0.4], compress_s=[0.01] * 3)
 

@@ -1,7 +1,7 @@
 """``adsp``: ADSP (Hu et al., "Distributed Machine Learning through Heterogeneous Edge
 Systems", AAAI'20) as ITS AUTHORS' CODE does it (joapolarbear/adsp, ``cifar10/strain.py``),
-not the ASHL authors' copy (docs/ALGORITHM.md lists that copy's bugs: a reward that is
-identically 1, no local updates, the learning rate applied twice).
+not the ASHL authors' copy (docs/ALGORITHM.md, F25, lists that copy's bugs: a reward that
+is identically 1, no local updates, the learning rate applied twice).
 
 Workers never wait. Each trains continuously with local optimizer steps and, every
 ``interval`` seconds of wall time, commits its accumulated update U_i = w_i - w_i(last pull)

@@ -13,6 +13,8 @@ round: local SGD then spends the same compute between two averages as ASHL's bot
 so the comparison isolates what ASHL adds (per-rank H_i, asynchrony, compression). The
 authors' Local SGD default is H = 2 (``--H``), ASHL's k_SHL.
 
+Where this differs from the authors' Local SGD (docs/ALGORITHM.md §8): no central server
+(an allreduce instead of a PS barrier; the same average); the LR schedule is the user's.
 ``opt.stage`` reads "TRAIN" while training and "DONE" at the end.
 """
 from __future__ import annotations

@@ -14,8 +14,8 @@ a fixed plan instead of profiling (``planner.uniform_plan``):
   the authors' "staleness 3"), ASP in the unbounded one (AHL: a reply never waits);
 * no profiling, no re-planning.
 
-Deviation from the authors' code (docs/ALGORITHM.md): their workers push the raw gradient and
-the server takes a momentum-SGD step; here the worker takes its own optimizer step and pushes
+Deviation from the authors' code (docs/ALGORITHM.md, F25): their workers push the raw gradient
+and the server takes a momentum-SGD step; here the worker takes its own optimizer step and pushes
 the resulting change of the model (delta of one step). With plain SGD the two coincide; with
 momentum the momentum lives on the worker, as in every other strategy here.
 
