@@ -228,6 +228,24 @@ def validate(h: Header, world_size: int | None = None, model_numel: int | None =
 
     Returns the header with its enum fields as enums. Raises ProtocolError naming the field.
     """
+    kind, stage, dtype = _enums(h)
+    hi_rank = _INT32[1] if world_size is None else world_size - 1
+    _int_in(h, "rank", 0, hi_rank)
+    for name in ("plan_version", "epoch", "local_steps"):
+        _int_in(h, name, 0, _INT32[1])
+    for name in ("commit", "base_version", "numel", "nnz", "samples"):
+        _int_in(h, name, 0, _INT64[1])
+    h = _measurements(h)
+    _payload_shape(h, kind, dtype, model_numel)
+    if h.nbytes > MAX_MESSAGE_BYTES:
+        raise ProtocolError("numel", f"a {h.nbytes}-byte message exceeds the MPI limit {MAX_MESSAGE_BYTES}")
+    return h.replace(kind=kind, stage=stage, dtype=dtype, flags=Flag(int(h.flags)),
+                     **{k: float(getattr(h, k)) for k in ("step_s", "link_s", "link_ratio", "loss", "sent_at")},
+                     **{k: int(getattr(h, k)) for k in ("rank", "plan_version", "epoch", "local_steps",
+                                                        "commit", "base_version", "numel", "nnz", "samples")})
+
+
+def _enums(h: Header) -> tuple[Kind, Stage, DType]:
     try:
         kind = Kind(h.kind)
     except (ValueError, TypeError):
@@ -242,15 +260,11 @@ def validate(h: Header, world_size: int | None = None, model_numel: int | None =
         raise ProtocolError("dtype", f"unknown payload dtype code {h.dtype!r}") from None
     if isinstance(h.flags, bool) or not isinstance(h.flags, (int, np.integer)) or h.flags & ~_ALL_FLAGS or h.flags < 0:
         raise ProtocolError("flags", f"unknown flag bits in {h.flags!r}")
+    return kind, stage, dtype
 
-    hi_rank = _INT32[1] if world_size is None else world_size - 1
-    _int_in(h, "rank", 0, hi_rank)
-    for name in ("plan_version", "epoch", "local_steps"):
-        _int_in(h, name, 0, _INT32[1])
-    for name in ("commit", "base_version", "numel", "nnz", "samples"):
-        _int_in(h, name, 0, _INT64[1])
 
-    # None is accepted for the optional measurements and travels as NaN.
+def _measurements(h: Header) -> Header:
+    """The rank's measurements; None is accepted for the optional ones and travels as NaN."""
     h = h.replace(**{k: math.nan for k in ("step_s", "link_s", "loss") if getattr(h, k) is None})
     for name in ("step_s", "link_s"):
         _duration(h, name, optional=True)
@@ -260,8 +274,11 @@ def validate(h: Header, world_size: int | None = None, model_numel: int | None =
         raise ProtocolError("link_ratio", f"must be in (0, 1], got {ratio}")
     if math.isinf(_real(h, "loss")):
         raise ProtocolError("loss", f"must be finite or NaN (not measured), got {h.loss}")
+    return h
 
-    # Payload shape per kind.
+
+def _payload_shape(h: Header, kind: Kind, dtype: DType, model_numel: int | None) -> None:
+    """What each kind of message may carry."""
     if kind in (Kind.DENSE_DELTA, Kind.SPARSE_DELTA) or (kind == Kind.REPLY and dtype != DType.NONE):
         if dtype not in _FLOAT_CODES:
             raise ProtocolError("dtype", f"{kind.name} needs a floating payload, got {dtype.name}")
@@ -286,13 +303,6 @@ def validate(h: Header, world_size: int | None = None, model_numel: int | None =
             raise ProtocolError("dtype", f"{kind.name} carries no payload, got {dtype.name}")
         if h.numel != 0 or h.nnz != 0:
             raise ProtocolError("numel" if h.numel else "nnz", f"must be 0 for {kind.name} without payload")
-    if h.nbytes > MAX_MESSAGE_BYTES:
-        raise ProtocolError("numel", f"a {h.nbytes}-byte message exceeds the MPI limit {MAX_MESSAGE_BYTES}")
-
-    return h.replace(kind=kind, stage=stage, dtype=dtype, flags=Flag(int(h.flags)),
-                     **{k: float(getattr(h, k)) for k in ("step_s", "link_s", "link_ratio", "loss", "sent_at")},
-                     **{k: int(getattr(h, k)) for k in ("rank", "plan_version", "epoch", "local_steps",
-                                                        "commit", "base_version", "numel", "nnz", "samples")})
 
 
 # --- encode / decode ------------------------------------------------------------------
