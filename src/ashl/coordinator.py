@@ -27,7 +27,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
 from .planner import Plan, PlannerConfig, RankProfile, make_plan, pull_seconds, push_seconds
 from .stages import Stage, StageConfig, StageMachine
@@ -48,8 +48,9 @@ class CommitReport:
     """What a rank tells rank 0 at a commit.
 
     step_s   mean compute seconds per local step in the round just finished
-    link_s   wall seconds of this rank's previous commit exchange (push + pull), minus
-             any time the server spent waiting on the staleness bound; None if unknown
+    link_s   wall seconds of this rank's previous commit exchange (push + pull; in SHL it
+             includes any time the server held the reply back for the staleness bound);
+             None if unknown
     link_ratio  compression ratio that exchange used (1.0 = dense)
     loss     the rank's running training loss (stages.RunningLoss)
     """
@@ -63,13 +64,6 @@ class CommitReport:
     samples: int = 0
     local_steps: int = 0
     epoch: int = 0
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "CommitReport":
-        return cls(**dict(d))
 
 
 @dataclass(frozen=True)

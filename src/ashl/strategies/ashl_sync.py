@@ -21,16 +21,7 @@ from .averaging import ModelAveragingStrategy
 class AshlSyncStrategy(ModelAveragingStrategy):
     name = "ashl-sync"
 
-    def __init__(self, model, params, *, profile_steps: int = 10, **kwargs):
-        if profile_steps < 3:
-            raise ValueError(f"profile_steps must be >= 3 (one is warm-up), got {profile_steps}")
-        super().__init__(model, params, **kwargs)
-        self.profile_steps = profile_steps
-
-    def local_steps_target(self) -> int:
-        if self.stage is Stage.PROFILE:
-            return self.profile_steps
-        return self.plan.local_steps(self.rank, self.stage)
+    profiled = True
 
     def merge_weight(self, stage: Stage) -> float:
         if stage is Stage.PROFILE:

@@ -58,10 +58,12 @@ class ModelAveragingStrategy(Strategy):
                  planner_config: Optional[PlannerConfig] = None,
                  stage_config: Optional[StageConfig] = None,
                  drift_config: Optional[DriftConfig] = None,
-                 evaluate=None, eval_every_s: float = 2.0, heterogeneity=None, hvd=None):
+                 evaluate=None, eval_every_s: float = 2.0, heterogeneity=None, hvd=None,
+                 profile_steps: int = 10):
         world = world_comm(comm)
         super().__init__(model, params, comm=world, sampler=sampler, heterogeneity=heterogeneity,
-                         evaluate=evaluate, eval_every_s=eval_every_s, control_rank=0)
+                         evaluate=evaluate, eval_every_s=eval_every_s, control_rank=0,
+                         profile_steps=profile_steps)
         check_compression(compression, self.name, self.accepts_compression)
         verify_same_model(world, self.names, self.tensors)
         self.hvd = horovod(self.name, world) if hvd is None else hvd
@@ -126,7 +128,7 @@ class ModelAveragingStrategy(Strategy):
                         bytes=4 * self.flat.numel(), accepted=merged)
         if reading.accuracy is not None:
             self.timeline.instant("eval", accuracy=reading.accuracy)
-        self._follow(self._machine.stage, self._machine.stop_reason)
+        self._follow_machine(self._machine)
         if self.rank == 0 and not self.finished:
             self.pending_accuracy = self.evaluations.maybe()
         self._round_start = time.perf_counter()
@@ -158,14 +160,6 @@ class ModelAveragingStrategy(Strategy):
 
     def _close(self) -> None:
         self.mc.close()
-
-    def save_checkpoint(self, path: str, optimizer) -> None:
-        raise NotImplementedError(f"strategy {self.name!r} does not checkpoint yet; "
-                                  "use strategy 'ashl'")
-
-    def load_checkpoint(self, path: str, optimizer) -> None:
-        raise NotImplementedError(f"strategy {self.name!r} does not checkpoint yet; "
-                                  "use strategy 'ashl'")
 
     def counters(self) -> dict:
         c = super().counters()

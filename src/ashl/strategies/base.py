@@ -10,7 +10,8 @@ it different, split as torch's model averagers split *when* from *how*:
     _round_done()       when this rank communicates (default: after its H_i local steps)
     _make_plan()        the plan, once, at the end of the first round (collective where the
                         strategy's exchange is)
-    _exchange(final)    how it communicates; ends by calling ``_follow(stage, reason)``
+    _exchange(final)    how it communicates; ends by calling ``_follow(stage, reason)`` with
+                        what was decided (a leaving rank's last exchange may not)
     _final_model()      finish(): every rank ends with the same final model
     _close()            finish(): free what the strategy opened
 
@@ -115,21 +116,26 @@ class Strategy:
 
     name = "base"
     single_stage = False      # baselines: one training stage, shown as "TRAIN"
+    profiled = False          # ashl, ashl-sync: timed steps first, then the plan's H_i
     accepts_compression = ()  # names of the compressors this strategy can send with
 
     def __init__(self, model, params, *, comm, sampler=None, heterogeneity=None,
                  evaluate: Optional[Callable[[], float]] = None, eval_every_s: float = 2.0,
-                 control_rank: int = 0):
+                 control_rank: int = 0, profile_steps: int = 10):
         self.model = model
         self.names, self.tensors = model_state(model, params)
         self.numel = kernels.flat_numel(self.tensors)
         self.sampler = sampler
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         if not 0 <= control_rank < self.size:
-            raise ValueError(f"server_rank {control_rank} is not a rank of this "
-                             f"{self.size}-rank job")
-        self.comm = comm.Dup()           # the control plane's own tag space
+            raise ValueError(f"the control rank (server_rank) {control_rank} is not a rank "
+                             f"of this {self.size}-rank job")
+        self.comm = comm.Dup()           # the end's gathers, apart from every exchange
         self.control_rank = control_rank
+        if self.profiled and not (isinstance(profile_steps, int) and profile_steps >= 3):
+            raise ValueError(f"profile_steps must be an integer >= 3 (one is warm-up), "
+                             f"got {profile_steps!r}")
+        self.profile_steps = profile_steps
         self.evaluations = Evaluations(evaluate if self.rank == control_rank else None,
                                        eval_every_s)
         self.stage = Stage.PROFILE
@@ -162,7 +168,11 @@ class Strategy:
 
     # ------------------------------------------------------------ what a strategy supplies
     def local_steps_target(self) -> int:
-        raise NotImplementedError
+        """This rank's local steps in the current round: the profiling steps, then the
+        plan's H_i of the stage (baselines with a fixed count override this)."""
+        if self.stage is Stage.PROFILE:
+            return self.profile_steps
+        return self.plan.local_steps(self.rank, self.stage)
 
     def _round_done(self) -> bool:
         return self.round_steps >= self.local_steps_target()
@@ -277,6 +287,10 @@ class Strategy:
         if self.plan is not None and hasattr(self.sampler, "set_shares"):
             self.sampler.set_shares(list(self.plan.stage(self.stage.planned).shares))
 
+    def _follow_machine(self, machine: StageMachine) -> None:
+        """Adopt what a stage machine fed with this round's numbers decided."""
+        self._follow(machine.stage, machine.transitions[-1].reason if machine.transitions else None)
+
     def _follow(self, stage: Stage, reason: Optional[str] = None) -> None:
         """Adopt the run's stage as decided for this round."""
         if stage is self.stage:
@@ -337,6 +351,17 @@ class Strategy:
             traces = self.comm.gather(self.timeline.events, root=self.control_rank)
             if self.rank == self.control_rank:
                 write_chrome_trace(path, traces)
+
+    # ------------------------------------------------------------------- checkpoints
+    def save_checkpoint(self, path: str, optimizer) -> None:
+        raise NotImplementedError(f"strategy {self.name!r} does not checkpoint; use strategy "
+                                  "'ashl', or save the model and optimizer state_dict as with "
+                                  "plain Horovod")
+
+    def load_checkpoint(self, path: str, optimizer) -> None:
+        raise NotImplementedError(f"strategy {self.name!r} does not checkpoint; use strategy "
+                                  "'ashl', or load the model and optimizer state_dict as with "
+                                  "plain Horovod")
 
     # ---------------------------------------------------------------- shared mechanics
     def clear_nonfinite_optimizer_state(self) -> int:

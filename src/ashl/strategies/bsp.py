@@ -22,7 +22,7 @@ broadcast of rank 0's model (parameters and floating-point buffers: BatchNorm st
 are not averaged by BSP).
 
 Emulated heterogeneity (tests, benchmarks). Compute: the step is stretched after the local
-update (StepClock). Link: ``link_departure(bytes of the gradients)`` sleeps in
+update (StepClock). Link: ``hetero.depart(bytes of the gradients)`` sleeps in
 ``before_step()``, i.e. before step()'s ``synchronize()``, not inside backward where
 Horovod has already handed the gradients to its background thread. The allreduce of THIS
 step may therefore finish without waiting for the slow link, but the slow rank reaches its
@@ -139,7 +139,7 @@ class BspStrategy(Strategy):
             self.timeline.instant("eval", accuracy=reading.accuracy)
         self.round_span(self._wall_before, steps=steps, bytes=self.grad_bytes,
                         step=self.local_steps)
-        self._follow(self._machine.stage, self._machine.stop_reason)
+        self._follow_machine(self._machine)
 
     # ------------------------------------------------------------------ the end
     def _final_model(self) -> None:
@@ -150,14 +150,6 @@ class BspStrategy(Strategy):
         flat = self.flat_model()
         self.hvd.broadcast_(flat, root_rank=0, name=_FINAL_NAME)
         kernels.unpack_assign(self.tensors, [torch.zeros_like(t) for t in self.tensors], flat)
-
-    def save_checkpoint(self, path: str, optimizer) -> None:
-        raise NotImplementedError("strategy 'bsp' does not checkpoint; save the model and "
-                                  "optimizer state_dict as with plain Horovod")
-
-    def load_checkpoint(self, path: str, optimizer) -> None:
-        raise NotImplementedError("strategy 'bsp' does not checkpoint; load the model and "
-                                  "optimizer state_dict as with plain Horovod")
 
     def counters(self) -> dict:
         c = super().counters()

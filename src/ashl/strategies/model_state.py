@@ -6,7 +6,7 @@ from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["model_state", "model_state_tensors", "signature", "signature_mismatch",
+__all__ = ["model_state", "signature", "signature_mismatch",
            "verify_same_model"]
 
 
@@ -34,11 +34,6 @@ def model_state(model: Optional[torch.nn.Module],
             raise ValueError(f"{name} has dtype {t.dtype}; ashl averages float32, "
                              "float16 and bfloat16 tensors")
     return names, tensors
-
-
-def model_state_tensors(model: Optional[torch.nn.Module],
-                        params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    return model_state(model, params)[1]
 
 
 def signature(names: Sequence[str], tensors: Sequence[torch.Tensor]) -> list[tuple]:

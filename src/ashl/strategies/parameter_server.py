@@ -46,13 +46,20 @@ class ServerStrategy(Strategy):
                  stage_config: Optional[StageConfig] = None,
                  drift_config: Optional[DriftConfig] = None,
                  evaluate=None, eval_every_s: float = 2.0, poll_s: float = 2e-4,
-                 heterogeneity=None):
+                 heterogeneity=None, profile_steps: int = 10):
         world = world_comm(comm)
         super().__init__(model, params, comm=world, sampler=sampler, heterogeneity=heterogeneity,
-                         evaluate=evaluate, eval_every_s=eval_every_s, control_rank=server_rank)
+                         evaluate=evaluate, eval_every_s=eval_every_s, control_rank=server_rank,
+                         profile_steps=profile_steps)
         verify_same_model(world, self.names, self.tensors)
         self.server_rank = server_rank
         self.compression = check_compression(compression, self.name, self.accepts_compression)
+        if (self.compression is not None and self.compression.ratio < 1.0
+                and any(t.dtype != torch.float32 for t in self.tensors)):
+            raise ValueError(f"compression={self.compression!r} needs fp32 parameters and "
+                             "buffers: what top-k does not send is kept for the next commit "
+                             "(error feedback) in fp32; this model has "
+                             f"{sorted({str(t.dtype) for t in self.tensors})}")
         self.mc = MPICoordinator(world, root=server_rank, planner_config=planner_config,
                                  stage_config=stage_config, drift_config=drift_config)
         self.wire = world.Dup()              # commits and replies: a tag space of their own
@@ -121,8 +128,6 @@ class ServerStrategy(Strategy):
         self.server = ServerThread(server, self.wire, poll_s=self.poll_s, lock=self.mc.lock)
 
     def _exchange(self, final: bool = False) -> None:
-        if self.server is not None and self.server.error is not None:
-            raise RuntimeError("the parameter server failed") from self.server.error
         start = time.time()
         stage, steps = self.stage, self.round_steps
         payload = self._pack(self.compressor())
@@ -134,7 +139,7 @@ class ServerStrategy(Strategy):
         self.commits += 1
         self.round_steps = 0
         self.clock.new_round()
-        self._absorb(reply)
+        self._absorb(reply, final)
         self.round_span(start, steps=steps, stage=stage.value, bytes=reply.bytes_sent,
                         accepted=reply.accepted, version=self.version)
         self._evaluate()
@@ -148,7 +153,7 @@ class ServerStrategy(Strategy):
         return compressor.pack(self.tensors, self.anchors, self.residual, self.scratch,
                                self.send_buf)
 
-    def _absorb(self, reply: Reply) -> None:
+    def _absorb(self, reply: Reply, final: bool) -> None:
         """The reply: the global model becomes params and anchors; a plan, a rejection, a
         stage change or a stop is taken on."""
         if reply.model is not None:
@@ -163,8 +168,9 @@ class ServerStrategy(Strategy):
             log.warning("rank %d: commit %d was rejected by the server; resuming from the "
                         "global model", self.rank, self.commits - 1)
         self.version = reply.version
+        # A rank's own last commit is answered with STOP too: that is not a reason.
         self._follow(Stage.DONE if reply.stop else reply.stage,
-                     "the server ended the run" if reply.stop else None)
+                     "the server ended the run" if reply.stop and not final else None)
 
     def _evaluate(self) -> None:
         """Server rank: the evaluation callback on the model just received; a target met
@@ -262,5 +268,6 @@ class ServerStrategy(Strategy):
         c = super().counters()
         c["version"] = self.version
         if self.server is not None:
-            c["server"] = self.server.server.stats.to_dict()
+            with self.mc.lock:     # the server thread appends to its stats under the lock
+                c["server"] = self.server.server.stats.to_dict()
         return c

@@ -33,7 +33,7 @@ from ..stages import Stage, StageConfig
 from .parameter_server import ServerStrategy
 
 
-def single_stage(config: Optional[StageConfig]) -> StageConfig:
+def without_switch(config: Optional[StageConfig]) -> StageConfig:
     """The user's stop rules with the AHL -> SHL switch turned off."""
     return dataclasses.replace(StageConfig() if config is None else config, switch=False)
 
@@ -47,9 +47,9 @@ class PSBaseline(ServerStrategy):
 
     def __init__(self, model, params, *, stage_config=None, merge_weight: Optional[Fraction] = None,
                  **kwargs):
-        for ignored in ("profile_steps", "planner_config", "drift_config", "staleness"):
+        for ignored in ("profile_steps", "planner_config", "drift_config"):
             kwargs.pop(ignored, None)   # nothing to profile, plan or damp
-        super().__init__(model, params, staleness="none", stage_config=single_stage(stage_config),
+        super().__init__(model, params, staleness="none", stage_config=without_switch(stage_config),
                          drift_config=DriftConfig(enabled=False), **kwargs)
         self.merge_weight = Fraction(1) if merge_weight is None else Fraction(merge_weight)
 
