@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 
-.PHONY: all bootstrap build test demo bench bench-kernels bench-e2e bench-e2e-netns clean distclean
+.PHONY: all bootstrap build test demo bench bench-kernels bench-e2e bench-e2e-netns bench-script clean distclean
 
 all: build
 
@@ -31,18 +31,27 @@ test: build
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 # The main job: ashl against Horovod's BSP and local SGD on 4 emulated heterogeneous ranks
-# (compute and link slowdowns 1,1,2,4), embedded digits data; prints the table and the plot.
+# (compute and link slowdowns 1,1,2,4), embedded digits data; prints the table and the plot;
+# then the homogeneous control (every factor 1: ashl against bsp).
 DEMO_RANKS ?= 4
 demo: build
-	@mkdir -p $(OUT)/demo
+	@mkdir -p $(OUT)/demo $(OUT)/demo-homogeneous
 	$(PY) -m ashl.bench e2e --strategies ashl,bsp,localsgd --ranks $(DEMO_RANKS) \
 	    --json $(OUT)/demo/e2e.json
+	$(PY) -m ashl.bench e2e --homogeneous --strategies ashl,bsp --ranks $(DEMO_RANKS) \
+	    --json $(OUT)/demo-homogeneous/e2e.json
 
-bench: bench-kernels bench-e2e
+bench: bench-kernels bench-e2e bench-script
 
 bench-kernels: build
 	@mkdir -p $(OUT)
 	$(PY) -m ashl.bench kernels --json $(OUT)/kernels.json
+
+# A Horovod script against its three-line ashl conversion, compute slowdowns 1,2,4, 3 repeats.
+bench-script: build
+	@mkdir -p $(OUT)/script
+	$(PY) -m ashl.bench script --json $(OUT)/script/script.json
+	$(PY) -m ashl.bench script --compute-slowdown 1,1,1 --json $(OUT)/script/homogeneous.json
 
 bench-e2e: build
 	@mkdir -p $(OUT)/e2e $(OUT)/e2e-homogeneous

@@ -135,8 +135,11 @@ class RankProfile:
 class PlannerConfig:
     """Planner knobs. Defaults and the authors' values: docs/ALGORITHM.md section 7."""
 
-    k_ahl: int = 8                      # local steps of the AHL bottleneck
-    k_shl: int = 2                      # local steps of the SHL bottleneck
+    k_ahl: int = 8                      # local steps of the AHL bottleneck (at most)
+    k_shl: int = 2                      # local steps of the SHL bottleneck (at most)
+    comm_budget: float | None = 0.1     # the bottleneck takes the fewest local steps (<= k) that
+                                        # keep its communication within this fraction of its
+                                        # round; None: always k (the authors' fixed rule)
     shl_target_ratio: float = 0.1       # r0: top-k ratio of the SHL bottleneck (1 = dense)
     ahl_target_ratio: float = 1.0       # AHL sends dense deltas unless this is < 1
     sparse_bytes_factor: float = 2.0    # kappa: sparse bytes / (ratio * dense bytes); fp32 value + int32 index
@@ -157,6 +160,11 @@ class PlannerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{where}: {name} must be an integer >= 1, got {value!r}")
+        if self.comm_budget is not None:
+            _check_positive(where, "comm_budget", self.comm_budget)
+            if self.comm_budget >= 1:
+                raise ValueError(f"{where}: comm_budget must be None or in (0, 1), "
+                                 f"got {self.comm_budget!r}")
         _check_positive(where, "min_ratio", self.min_ratio)
         if self.min_ratio > 1:
             raise ValueError(f"{where}: min_ratio must be <= 1, got {self.min_ratio!r}")
@@ -179,6 +187,13 @@ class PlannerConfig:
         if self.dense_bytes is not None:
             if not isinstance(self.dense_bytes, int) or isinstance(self.dense_bytes, bool) or self.dense_bytes <= 0:
                 raise ValueError(f"{where}: dense_bytes must be a positive integer, got {self.dense_bytes!r}")
+
+    @classmethod
+    def authors(cls, **changes) -> "PlannerConfig":
+        """The authors' planning rules (docs/PLANNER.md, "The authors' rules, on request")."""
+        rules = dict(share_source="shl", rounding="half_even", sparse_bytes_factor=1.0,
+                     comm_budget=None)
+        return cls(**{**rules, **changes})
 
     def stage_params(self, stage: str) -> tuple[int, float, int | None]:
         """(k, target ratio, cap) of a stage."""
@@ -465,24 +480,53 @@ def _merge_weights(shares: Sequence[Fraction], local_steps: Sequence[int],
     raise ValueError(f"unknown weighting {weighting!r}; expected one of {WEIGHTINGS}")
 
 
+def rank_steps(compute: Sequence[float], comm: Sequence[float], k: int, rounding: str = "floor",
+               cap: int | None = None) -> tuple[int, tuple[int, ...]]:
+    """(bottleneck, H): the rank with the longest round at k steps gets k; every other rank
+    the most steps (>= k, <= cap) that fit the bottleneck's round."""
+    rounds = [k * c + cm for c, cm in zip(compute, comm)]
+    b = max(range(len(rounds)), key=lambda i: (rounds[i], -i))
+    target = rounds[b]
+    steps = []
+    for i, (c, cm) in enumerate(zip(compute, comm)):
+        h = k if i == b else max(k, round_local_steps((target - cm) / c, rounding))
+        steps.append(h if cap is None else min(h, cap))
+    return b, tuple(steps)
+
+
+def bottleneck_steps(compute: Sequence[float], comm: Sequence[float], k_max: int,
+                     comm_budget: float | None, rounding: str = "floor",
+                     cap: int | None = None) -> tuple[int, int, tuple[int, ...]]:
+    """(k, bottleneck, H): the fewest local steps k <= k_max for the bottleneck such that its
+    communication is at most `comm_budget` of its round and no rank, its H_i rounded to whole
+    steps, idles for more than `comm_budget` of the round. Cheap communication on equal ranks
+    gives k = 1 (a commit every step, as synchronous training); a dear link, or speeds whose
+    ratios need more steps to round well, give more, up to k_max. ``comm_budget=None`` is the
+    fixed rule: k = k_max."""
+    candidates = range(1, k_max + 1) if comm_budget is not None else (k_max,)
+    for k in candidates:
+        b, steps = rank_steps(compute, comm, k, rounding, cap)
+        rounds = [h * c + cm for h, c, cm in zip(steps, compute, comm)]
+        longest = max(rounds)
+        fits = comm_budget is None or (comm[b] <= comm_budget * rounds[b] and
+                                       all(longest - r <= comm_budget * longest for r in rounds))
+        if fits or k == k_max:
+            return k, b, steps
+    raise AssertionError("unreachable")   # k_max >= 1 is validated
+
+
 def plan_stage(profiles: Sequence[RankProfile], config: PlannerConfig, stage: str,
                shares: Sequence[Fraction] | None = None) -> StagePlan:
     """Plan one stage. `shares` overrides the stage's own H-proportional shares."""
-    k, r0, cap = config.stage_params(stage)
+    k_max, r0, cap = config.stage_params(stage)
     compressing = r0 < 1
     compute = [float(p.compute_s) for p in profiles]
     pull = [pull_seconds(p, config) for p in profiles]
     compress = [float(p.compress_s) if compressing else 0.0 for p in profiles]
     comm = [push_seconds(p, r0, config) + d + g for p, d, g in zip(profiles, pull, compress)]
 
-    rounds_at_k = [k * c + cm for c, cm in zip(compute, comm)]
-    bottleneck = max(range(len(profiles)), key=lambda i: (rounds_at_k[i], -i))
-    target = rounds_at_k[bottleneck]
-
-    local_steps = []
-    for i, (c, cm) in enumerate(zip(compute, comm)):
-        h = k if i == bottleneck else max(k, round_local_steps((target - cm) / c, config.rounding))
-        local_steps.append(h if cap is None else min(h, cap))
+    k, bottleneck, local_steps = bottleneck_steps(compute, comm, k_max, config.comm_budget,
+                                                  config.rounding, cap)
 
     # The longest round after rounding (only differs from target with half_up/half_even).
     busy = [c * h + cm for c, h, cm in zip(compute, local_steps, comm)]

@@ -6,7 +6,8 @@ commits on ``protocol.TAG_TO_SERVER`` (every rank, the host rank included, sends
 the same way), hands them to the server and sends the replies on ``protocol.TAG_TO_RANK``.
 The rank's half of the exchange is ``client.ServerClient``.
 
-Merge: ``global += merge_weight[rank] * staleness(version - base_version) * delta`` with the
+Merge: ``global += merge_weight[rank] * staleness(excess) * delta``, excess = the versions since
+the delta's base beyond one commit of every other live rank (``ParameterServer.excess``), with the
 fused kernels (dense or bounds-checked sparse), all or nothing: a delta holding NaN/Inf is
 rejected and counted, and the sender is told so (it then resumes from the global model).
 SHL: a rank more than ``bound`` commits ahead of the slowest live rank gets its reply only
@@ -105,6 +106,13 @@ class ParameterServer:
         live = [self.shl_commits[r] for r in self.live]
         return min(live) if live else max(self.shl_commits)
 
+    def excess(self, staleness: int) -> int:
+        """The staleness a delta is damped for: the versions merged since its base beyond
+        one commit of every other live rank. Ranks that train side by side each commit once a
+        round, so a delta is normally n - 1 versions old; that is the round's own merge
+        (the merge weights already share it out), not lateness."""
+        return max(0, staleness - (len(self.live) - 1))
+
     def weight(self, rank: int, stage: Stage) -> float:
         plan = self.coordinator.plan
         return float(plan.stage(stage.planned).merge_weights[rank]) if plan else 1.0 / self.n_ranks
@@ -121,7 +129,7 @@ class ParameterServer:
         self.stats.bytes_received += protocol.HEADER_SIZE + header.payload_nbytes
         accepted = False
         if not self.stopped:   # after DONE, late deltas are not merged
-            weight = self.weight(rank, stage) * self.staleness(staleness)
+            weight = self.weight(rank, stage) * self.staleness(self.excess(staleness))
             accepted = Payload.from_message(header, payload).merge_into(self.model, weight)
             if accepted:
                 self.version += 1

@@ -107,6 +107,12 @@ class StageConfig:
             if value is not None and (not isinstance(value, (int, float)) or not math.isfinite(value)):
                 raise ValueError(f"stage config: {name} must be None or a finite number, got {value!r}")
 
+    @property
+    def bounded(self) -> bool:
+        """Can the run stop by itself (a target or a budget)?"""
+        return any(v is not None for v in (self.target_loss, self.target_accuracy,
+                                           self.max_seconds, self.max_commits))
+
     def ahl_budgets(self, n_ranks: int) -> tuple[float | None, int | None]:
         """Effective AHL (seconds, commits). At least one is always set."""
         seconds, commits = self.ahl_max_seconds, self.ahl_max_commits

@@ -65,3 +65,12 @@ def mpirun(np_, script, *args, timeout=120, env=None):
         raise AssertionError(f"mpirun {Path(script).name} failed ({proc.returncode}):\n"
                              f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     return proc
+
+
+def horovodrun(*args, timeout=120):
+    """horovodrun (this venv's) with `args`; returns the completed process."""
+    bin_dir = Path(sys.executable).parent
+    env = mpi_env()
+    env.update(PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", OMP_NUM_THREADS="1")
+    return subprocess.run([str(bin_dir / "horovodrun"), *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout, env=env)

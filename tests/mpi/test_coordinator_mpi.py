@@ -42,7 +42,8 @@ def test_np3_same_plan_ratios_and_replan_on_slowdown_change(tmp_path):
                                "--max-commits", 45, timeout=60)
     assert same_plans(results)
     first = Plan.from_json(results[0]["first_plan"])
-    assert first.version == 1 and first.ahl.bottleneck == 2 and first.ahl.local_steps[2] == 8
+    assert first.version == 1 and first.ahl.bottleneck == 2
+    assert first.ahl.local_steps[2] == first.ahl.k <= 8
     assert_ratios(first.ahl.local_steps, (1, 2, 4))
     final = Plan.from_json(results[0]["final_plan"])
     assert final.version >= 2 and final.ahl.bottleneck == 1

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _util import mpirun, skip_reason  # noqa: E402
+from _util import horovodrun, mpirun, skip_reason  # noqa: E402
 
 pytestmark = [pytest.mark.mpi, pytest.mark.skipif(skip_reason() is not None,
                                                   reason=str(skip_reason()))]
@@ -47,8 +47,8 @@ def test_ranks_reach_the_target_through_every_stage(np_, tmp_path):
     assert server["max_shl_lead"] <= 3
     for r in result["ranks"]:
         plan = r["plan"]["stages"]
-        assert all(h >= 8 for h in plan["AHL"]["local_steps"])
-        assert all(h >= 2 for h in plan["SHL"]["local_steps"])
+        for stage in ("AHL", "SHL"):   # the bottleneck takes k, everyone else at least k
+            assert min(plan[stage]["local_steps"]) == plan[stage]["k"] <= (8 if stage == "AHL" else 2)
 
 
 def test_checkpoint_and_resume_continue_the_run(tmp_path):
@@ -86,17 +86,6 @@ def test_timeline_has_every_ranks_compute_and_commit_spans(tmp_path):
         names = {e["name"] for e in events if e.get("pid") == rank}
         assert {"compute", "commit", "plan"} <= names, (rank, names)
     assert all(e["dur"] >= 0 for e in events if e["ph"] == "X")
-
-
-def horovodrun(*args, timeout=120):
-    import os
-    import subprocess
-    from _util import mpi_env
-    bin_dir = Path(sys.executable).parent
-    env = mpi_env()
-    env.update(PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", OMP_NUM_THREADS="1")
-    return subprocess.run([str(bin_dir / "horovodrun"), *map(str, args)], capture_output=True,
-                          text=True, timeout=timeout, env=env)
 
 
 def test_horovodrun_launches_the_same_script(tmp_path):

@@ -21,7 +21,9 @@ class Clock:
 
 def coordinator(n=3, compute=(0.01, 0.02, 0.04), link=0.001, stage=None, drift=None, planner=None):
     clock = Clock()
-    c = Coordinator(n, planner or PlannerConfig(), stage or StageConfig(), drift or DriftConfig(), clock)
+    # the fixed-k rule: these tests are about drift and directives, not the choice of k
+    c = Coordinator(n, planner or PlannerConfig(comm_budget=None), stage or StageConfig(),
+                    drift or DriftConfig(), clock)
     c.plan_from_profiles([RankProfile(compute_s=x, push_s=link, pull_s=link) for x in compute])
     return c, clock
 

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ashl.planner import (AHL, SHL, Plan, PlannerConfig, RankProfile, largest_remainder,
+from ashl.planner import (bottleneck_steps, rank_steps, AHL, SHL, Plan, PlannerConfig, RankProfile, largest_remainder,
                           load_profile_document, make_plan, payload_fraction,
                           profiles_from_columns, push_seconds, round_local_steps)
 
@@ -149,7 +149,7 @@ def test_share_source_shl_reproduces_authors():
 
 def test_caps_limit_h_and_show_as_idle():
     fast, slow = RankProfile(0.01, 0.01, 0.01), RankProfile(1.0, 0.01, 0.01)
-    plan = make_plan([fast, slow], PlannerConfig(max_h_ahl=20))
+    plan = make_plan([fast, slow], PlannerConfig(max_h_ahl=20, comm_budget=None))
     assert plan.ahl.local_steps == (20, 8)
     assert plan.ahl.idle_fraction[0] > 0.9
 
@@ -310,3 +310,68 @@ def test_scaling_every_time_leaves_plan_unchanged(profiles, config, scale):
         assert sb.ratios == pytest.approx(sa.ratios, rel=1e-6)
         assert sb.round_s == pytest.approx(sa.round_s * scale, rel=1e-9)
         assert sb.idle_fraction == pytest.approx(sa.idle_fraction, rel=1e-6, abs=1e-9)
+
+
+# ------------------------------------------------------- the bottleneck's local steps
+
+
+def _fits(c, cm, k, budget):
+    b, steps = rank_steps(c, cm, k)
+    rounds = [h * ci + mi for h, ci, mi in zip(steps, c, cm)]
+    longest = max(rounds)
+    return (cm[b] <= budget * rounds[b]
+            and all(longest - r <= budget * longest for r in rounds))
+
+
+@given(st.lists(st.floats(1e-4, 1.0), min_size=1, max_size=6),
+       st.lists(st.floats(0.0, 2.0), min_size=6, max_size=6),
+       st.integers(1, 16), st.floats(0.01, 0.9))
+def test_bottleneck_takes_the_fewest_steps_that_keep_comm_and_idle_in_budget(c, cm, k_max, budget):
+    cm = cm[:len(c)]
+    k, b, steps = bottleneck_steps(c, cm, k_max, budget)
+    assert 1 <= k <= k_max and steps[b] == k and all(h >= k for h in steps)
+    assert (b, steps) == rank_steps(c, cm, k)
+    if k < k_max:
+        assert _fits(c, cm, k, budget)
+    assert not any(_fits(c, cm, fewer, budget) for fewer in range(1, k))   # nothing smaller fits
+
+
+def test_cheap_communication_means_a_commit_every_step_and_dear_means_k():
+    equal = (0.02, 0.02, 0.02)
+    assert bottleneck_steps(equal, (0.0,) * 3, 8, 0.1) == (1, 0, (1, 1, 1))
+    assert bottleneck_steps(equal, (0.05,) * 3, 8, 0.1)[0] == 8          # never fits: k_AHL
+    # 10 ms of communication against 40 ms steps: 3 steps (10 / 130 <= 10 %)
+    assert bottleneck_steps((0.04,) * 3, (0.01,) * 3, 8, 0.1)[:2] == (3, 0)
+    assert bottleneck_steps(equal, (0.0,) * 3, 8, None)[0] == 8           # the fixed rule
+
+
+def test_uneven_speeds_take_enough_steps_to_round_well():
+    # speeds 1 : 2 : 4 measured a little off: at k = 1 the middle rank would idle half the round
+    compute = (0.0050, 0.0101, 0.0200)
+    k, b, steps = bottleneck_steps(compute, (1e-5,) * 3, 8, 0.1)
+    assert b == 2 and steps[1] / steps[2] >= 1.8 and steps[0] / steps[2] >= 3.6
+    assert k == 5 and steps == (20, 9, 5)            # idle at most 10 %: 9 x 10.1 ms of 100 ms
+
+
+def test_the_plan_follows_the_communication_budget():
+    fast_link = [RankProfile(compute_s=c, push_s=1e-5, pull_s=1e-5) for c in (0.01, 0.02, 0.04)]
+    plan = make_plan(fast_link)
+    assert plan.ahl.k == 1 and plan.ahl.local_steps == (4, 2, 1)
+    assert plan.shl.k == 1
+    fixed = make_plan(fast_link, PlannerConfig(comm_budget=None))
+    assert fixed.ahl.local_steps == (32, 16, 8) and fixed.shl.local_steps == (8, 4, 2)
+    slow_link = [RankProfile(compute_s=c, push_s=0.5, pull_s=0.5) for c in (0.01, 0.02, 0.04)]
+    assert make_plan(slow_link).ahl.k == 8 and make_plan(slow_link).shl.k == 2
+
+
+@pytest.mark.parametrize("value", [0.0, 1.0, -0.1, float("nan"), "0.1"])
+def test_comm_budget_must_be_a_fraction(value):
+    with pytest.raises(ValueError, match="comm_budget"):
+        PlannerConfig(comm_budget=value)
+
+
+def test_the_authors_rules_in_one_call():
+    c = PlannerConfig.authors(shl_target_ratio=0.3)
+    assert (c.share_source, c.rounding, c.sparse_bytes_factor, c.comm_budget) == \
+        ("shl", "half_even", 1.0, None)
+    assert c.shl_target_ratio == 0.3 and PlannerConfig().comm_budget == 0.1

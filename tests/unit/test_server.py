@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, strategies as st
 
 from ashl.compression import Compression
 from ashl.coordinator import Coordinator
@@ -60,13 +61,25 @@ def test_merge_uses_the_plans_weight_and_staleness():
     w = [float(x) for x in s.coordinator.plan.ahl.merge_weights]
     s.handle(*dense(0, torch.ones(N)))
     assert torch.allclose(s.model, torch.full((N,), w[0]))
-    # rank 1's delta was computed against version 0; one version passed: factor 1/2
+    # rank 1's delta was computed against version 0; one version passed: within one commit of
+    # each other rank (3 ranks: 2 versions), so not damped
     replies = s.handle(*dense(1, torch.ones(N), base=0))
-    assert torch.allclose(s.model, torch.full((N,), w[0] + w[1] / 2))
+    assert torch.allclose(s.model, torch.full((N,), w[0] + w[1]))
     assert s.version == 2 and s.stats.max_staleness == 1
     (r,) = replies
     assert r.dest == 1 and r.header.kind == Kind.REPLY and r.header.flags & Flag.ACCEPTED
     assert r.header.base_version == 2 and torch.equal(r.payload, s.model)
+    # rank 2's is 4 versions old, 2 beyond a round of the others: factor 1/(1 + 2)
+    s.version = 4
+    s.handle(*dense(2, torch.ones(N), base=0))
+    assert torch.allclose(s.model, torch.full((N,), w[0] + w[1] + w[2] / 3))
+
+
+@given(st.integers(0, 100), st.integers(1, 16))
+def test_damping_counts_the_versions_beyond_one_round_of_the_other_ranks(staleness, live):
+    s = server(n_ranks=16)
+    s.live = set(range(live))
+    assert s.excess(staleness) == max(0, staleness - (live - 1))
 
 
 def test_nonfinite_delta_is_rejected_counted_and_answered():

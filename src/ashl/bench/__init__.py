@@ -12,4 +12,6 @@ SUBCOMMANDS = {
                 "time the fused multi-tensor kernels against torch._foreach_* and flat torch ops"),
     "e2e": ("ashl.bench.e2e",
             "every strategy on the same emulated heterogeneous job: time to target, utilisation"),
+    "script": ("ashl.bench.script",
+               "a Horovod script against its three-line ashl conversion: accuracy, wall time"),
 }

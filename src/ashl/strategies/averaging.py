@@ -63,14 +63,13 @@ class ModelAveragingStrategy(Strategy):
         world = world_comm(comm)
         super().__init__(model, params, comm=world, sampler=sampler, heterogeneity=heterogeneity,
                          evaluate=evaluate, eval_every_s=eval_every_s, control_rank=0,
-                         profile_steps=profile_steps)
+                         stage_config=stage_config, profile_steps=profile_steps)
         check_compression(compression, self.name, self.accepts_compression)
         verify_same_model(world, self.names, self.tensors)
         self.hvd = horovod(self.name, world) if hvd is None else hvd
         self.t0 = time.monotonic()           # the control rank's copy is the run's clock
         self.mc = MPICoordinator(world, root=0, planner_config=planner_config,
                                  stage_config=stage_config, drift_config=drift_config)
-        self.stage_config = StageConfig() if stage_config is None else stage_config
         self._machine = StageMachine(self.size, self.stage_config, start_time=0.0)
         self.slots = ControlSlots(self.size)
         self.flat = torch.zeros(self.numel + self.slots.count, dtype=torch.float32,

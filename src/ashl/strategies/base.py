@@ -31,7 +31,7 @@ import torch
 from .. import kernels
 from ..emulation import ComputeSlowdown, Heterogeneity
 from ..planner import Plan
-from ..stages import RunningLoss, Stage, StageMachine
+from ..stages import RunningLoss, Stage, StageConfig, StageMachine
 from ..timeline import Timeline, timeline_path, write_chrome_trace
 from .model_state import model_state
 
@@ -50,8 +50,9 @@ class StepClock:
         self.comm_s = 0.0
 
     def restart(self) -> None:
-        """At the first step(): whatever came before (imports, broadcasts, waiting for the
-        other ranks to start) is not compute, and an emulated slowdown must not stretch it."""
+        """At the first step() and when a pass over the data begins: whatever came before
+        (imports, broadcasts, an evaluation, waiting for the other ranks) is not compute, and
+        an emulated slowdown must not stretch it."""
         self.last_end = time.perf_counter()
 
     def step_done(self, slowdown: Optional[ComputeSlowdown] = None) -> float:
@@ -121,7 +122,8 @@ class Strategy:
 
     def __init__(self, model, params, *, comm, sampler=None, heterogeneity=None,
                  evaluate: Optional[Callable[[], float]] = None, eval_every_s: float = 2.0,
-                 control_rank: int = 0, profile_steps: int = 10):
+                 control_rank: int = 0, stage_config: Optional[StageConfig] = None,
+                 profile_steps: int = 10):
         self.model = model
         self.names, self.tensors = model_state(model, params)
         self.numel = kernels.flat_numel(self.tensors)
@@ -132,6 +134,7 @@ class Strategy:
                              f"of this {self.size}-rank job")
         self.comm = comm.Dup()           # the end's gathers, apart from every exchange
         self.control_rank = control_rank
+        self.stage_config = StageConfig() if stage_config is None else stage_config
         if self.profiled and not (isinstance(profile_steps, int) and profile_steps >= 3):
             raise ValueError(f"profile_steps must be an integer >= 3 (one is warm-up), "
                              f"got {profile_steps!r}")
@@ -165,6 +168,10 @@ class Strategy:
                        else Heterogeneity.from_env(self.rank))
         self.slowdown = (ComputeSlowdown(self.hetero.compute_factor)
                          if self.hetero.compute_factor != 1.0 else None)
+        if hasattr(sampler, "on_iteration"):
+            # An evaluation between epochs, or waiting there for the other ranks, is not a
+            # step's compute: the plan would take this rank for a slow one.
+            sampler.on_iteration(self.clock.restart)
 
     # ------------------------------------------------------------ what a strategy supplies
     def local_steps_target(self) -> int:

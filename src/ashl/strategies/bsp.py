@@ -63,7 +63,8 @@ class BspStrategy(Strategy):
         # ignored: profile_steps, planner_config, drift_config (nothing to plan)
         world = world_comm(comm)
         super().__init__(model, params, comm=world, sampler=sampler, heterogeneity=heterogeneity,
-                         evaluate=evaluate, eval_every_s=eval_every_s, control_rank=0)
+                         evaluate=evaluate, eval_every_s=eval_every_s, control_rank=0,
+                         stage_config=stage_config)
         self.hvd = horovod(self.name, world) if hvd is None else hvd
         self.compression = check_compression(compression, self.name, self.accepts_compression)
         if isinstance(control_every, bool) or not isinstance(control_every, int) or control_every < 1:

@@ -50,7 +50,7 @@ class ServerStrategy(Strategy):
         world = world_comm(comm)
         super().__init__(model, params, comm=world, sampler=sampler, heterogeneity=heterogeneity,
                          evaluate=evaluate, eval_every_s=eval_every_s, control_rank=server_rank,
-                         profile_steps=profile_steps)
+                         stage_config=stage_config, profile_steps=profile_steps)
         verify_same_model(world, self.names, self.tensors)
         self.server_rank = server_rank
         self.compression = check_compression(compression, self.name, self.accepts_compression)

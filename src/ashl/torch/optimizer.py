@@ -6,23 +6,41 @@ decide when to communicate.
 """
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
 
 from ..strategies import make_strategy
+from .exit import leave_at_exit
+from .horovod_keywords import HorovodKeywords
+
+log = logging.getLogger("ashl")
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
     """Methods mixed into a subclass of the user's optimizer class."""
 
     def step(self, closure=None, loss=None):
+        if self._ashl.finished:
+            return self._after_the_end()
         self._ashl.before_step()
         result = self._ashl_step(closure)
         if loss is None and closure is not None:
             loss = result
         self._ashl.after_step(loss)
         return result
+
+    def _after_the_end(self):
+        """The run has ended (a target or a budget) while the loop goes on: the model stays
+        the final global model, so a step does nothing (said once)."""
+        if not getattr(self, "_ashl_warned", False):
+            self._ashl_warned = True
+            log.warning("rank %d: the run has ended (%s); step() does nothing from now on "
+                        "(end the loop on opt.finished)", self._ashl.rank, self._ashl.stop_reason)
+        if hasattr(self, "synchronize"):   # strategy "bsp": complete Horovod's allreduces
+            self.synchronize()
+        return None
 
     def _ashl_step(self, closure=None):
         """The local update: the user's optimizer's step (strategy "bsp": Horovod's, which
@@ -31,8 +49,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     @property
     def finished(self) -> bool:
-        """True once the run is over for this rank (target, budget or stop)."""
-        return self._ashl.finished
+        """True once the run is over for this rank (target, budget or stop). A run without
+        a target or budget ends only when the loop ends, so a loop on it would never end:
+        reading it then is an error."""
+        s = self._ashl
+        if not s.finished and not s.stage_config.bounded and not getattr(self, "_ashl_closed", False):
+            raise ValueError("opt.finished: this run has no target and no budget, so it ends only "
+                             "when the training loop ends; loop over epochs, or give "
+                             "stage_config=StageConfig(max_seconds=..., max_commits=... or "
+                             "target_accuracy=...)")
+        return s.finished
 
     @property
     def plan(self):
@@ -71,32 +97,66 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._ashl.finish()
 
 
-def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: Optional[torch.nn.Module] = None,
-                         named_parameters=None, sampler=None, strategy: str = "ashl",
-                         compression=None, staleness: int = 3, **config):
-    """Wrap ``optimizer`` for heterogeneity-aware training.
+def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None,
+                         compression=None, backward_passes_per_step: int = 1, op=None,
+                         gradient_predivide_factor: float = 1.0, num_groups: int = 0,
+                         groups=None, sparse_as_dense: bool = False, process_set=None, *,
+                         model: Optional[torch.nn.Module] = None, sampler=None,
+                         strategy: str = "ashl", staleness: int = 3, **config):
+    """Wrap ``optimizer`` for heterogeneity-aware training, as ``hvd.DistributedOptimizer``.
 
-    model: the module whose parameters and floating-point buffers (BatchNorm statistics)
-        travel; without it, the optimizer's parameters.
-    sampler: a HeterogeneousSampler; it receives the plan's data shares.
-    strategy: "ashl" (parameter server, AHL then SHL) or "ashl-sync" (the same per-rank
-        local steps, each round ending in one hvd.allreduce_), or a baseline: "bsp"
-        (Horovod's own DistributedOptimizer underneath), "localsgd", "ssp", "asp", "adsp"
-        (see ashl.strategies).
+    Horovod's arguments come first, in Horovod's order, and mean what they mean there where a
+    strategy that merges model deltas can honour them (``horovod_keywords.py`` says which;
+    the others raise a ValueError naming them). Strategy "bsp" hands them to Horovod.
+
     compression: force a compressor for every commit: ``Compression.none``, ``.fp16`` or
         ``.topk(ratio)`` (Horovod's ``hvd.Compression.none``/``.fp16`` are taken too). Default:
         the plan's (dense in AHL, top-k at each rank's planned ratio in SHL). The
         parameter-server strategies take all three; "bsp" none and fp16 (Horovod's, on the
         gradients); "ashl-sync" and "localsgd" only none. Others raise a ValueError.
+    model: the module whose parameters and floating-point buffers (BatchNorm statistics)
+        travel; without it, named_parameters, else the optimizer's parameters.
+    sampler: a HeterogeneousSampler; it receives the plan's data shares.
+    strategy: "ashl" (parameter server, AHL then SHL) or "ashl-sync" (the same per-rank
+        local steps, each round ending in one hvd.allreduce_), or a baseline: "bsp"
+        (Horovod's own DistributedOptimizer underneath), "localsgd", "ssp", "asp", "adsp"
+        (see ashl.strategies).
     staleness: SHL's bound s (a rank at most s commits ahead of the slowest); strategy
         "ssp": its bound.
-    config: strategy options (profile_steps, staleness_fn="polynomial(0.5)", server_rank,
-        planner_config, stage_config, drift_config, evaluate, eval_every_s, heterogeneity).
+    config: strategy options (profile_steps, staleness_fn, server_rank, planner_config,
+        stage_config, drift_config, evaluate, eval_every_s, heterogeneity).
+
+    ``finish()`` is optional: a rank leaves the run by itself when the interpreter exits
+    (before MPI is finalised), and every rank ends with the final global model.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    horovod = HorovodKeywords(backward_passes_per_step, op, gradient_predivide_factor,
+                              num_groups, groups, sparse_as_dense, process_set)
+    if strategy != "bsp":
+        horovod.check_for_deltas(strategy)
     if named_parameters is not None:
         named_parameters = list(named_parameters)
+    params = _params(optimizer, model, named_parameters)
+    kwargs = _strategy_options(strategy, staleness, config)
+    engine = make_strategy(strategy, model, params, sampler=sampler, compression=compression,
+                           **kwargs)
+    if strategy == "bsp":
+        wrapped = _wrap_horovod(optimizer, model, named_parameters,
+                                dict(horovod.for_horovod(), compression=engine.horovod_compression))
+    else:
+        cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
+                   dict(_DistributedOptimizer.__dict__))
+        wrapped = cls.__new__(cls)
+        wrapped.__dict__.update(optimizer.__dict__)   # the same param_groups and state objects
+    wrapped._ashl = engine
+    engine.optimizer = wrapped
+    engine.backward_passes_per_step = backward_passes_per_step
+    leave_at_exit(wrapped)
+    return wrapped
+
+
+def _params(optimizer, model, named_parameters) -> list:
     if model is not None:
         params = [p for p in model.parameters()]
     elif named_parameters is not None:
@@ -105,6 +165,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: Optional[torch
         params = [p for g in optimizer.param_groups for p in g["params"]]
     if not params:
         raise ValueError("no parameters to train")
+    return params
+
+
+def _strategy_options(strategy: str, staleness, config: dict) -> dict:
     if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
         raise ValueError(f"staleness must be an integer >= 0, got {staleness!r}")
     kwargs = dict(config)
@@ -114,21 +178,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: Optional[torch
         kwargs["staleness"] = kwargs.pop("staleness_fn")
     if strategy in ("ashl", "ssp"):
         kwargs["bound"] = staleness
-    engine = make_strategy(strategy, model, params, sampler=sampler, compression=compression,
-                           **kwargs)
-    if strategy == "bsp":
-        wrapped = _wrap_horovod(optimizer, model, named_parameters, engine.horovod_compression)
-    else:
-        cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
-                   dict(_DistributedOptimizer.__dict__))
-        wrapped = cls.__new__(cls)
-        wrapped.__dict__.update(optimizer.__dict__)   # the same param_groups and state objects
-    wrapped._ashl = engine
-    engine.optimizer = wrapped
-    return wrapped
+    return kwargs
 
 
-def _wrap_horovod(optimizer: torch.optim.Optimizer, model, named_parameters, compression):
+def _wrap_horovod(optimizer: torch.optim.Optimizer, model, named_parameters, horovod: dict):
     """Strategy "bsp": ``hvd.DistributedOptimizer(optimizer, named_parameters=...)`` itself
     (gradient allreduce hooks, synchronize() in step()), with ashl's methods added so step()
     still reports to the strategy.
@@ -146,8 +199,7 @@ def _wrap_horovod(optimizer: torch.optim.Optimizer, model, named_parameters, com
 
     if named_parameters is None and model is not None:
         named_parameters = list(model.named_parameters())
-    inner = hvd.DistributedOptimizer(optimizer, named_parameters=named_parameters,
-                                     compression=compression)
+    inner = hvd.DistributedOptimizer(optimizer, named_parameters=named_parameters, **horovod)
     if type(inner).__dict__.get("synchronize") is not _HorovodOptimizer.synchronize:
         raise RuntimeError("strategy 'bsp' needs Horovod's allreduce optimizer (op=Average, "
                            "not Adasum)")

@@ -108,8 +108,8 @@ class HeterogeneousSampler(Sampler[int]):
     """
 
     def __init__(self, dataset, num_replicas: int | None = None, rank: int | None = None,
-                 shares: Sequence | None = None, shuffle: bool = True, seed: int = 0,
-                 drop_last: bool = False):
+                 shuffle: bool = True, seed: int = 0, drop_last: bool = False, *,
+                 shares: Sequence | None = None):
         if num_replicas is None or rank is None:
             size, r = _world()
             num_replicas = size if num_replicas is None else num_replicas
@@ -135,6 +135,7 @@ class HeterogeneousSampler(Sampler[int]):
         self._schedule: list[tuple[int, tuple[int, ...]]] = []
         self._started = False  # has an iteration of self.epoch begun?
         self._pending: tuple[int, ...] | None = None  # counts waiting for the next boundary
+        self._on_iteration: list = []   # called when a pass over the data begins
         if shares is None:
             shares = [Fraction(1, self.num_replicas)] * self.num_replicas
         self._schedule.append((0, shares_to_counts(shares, n, self.num_replicas, self.drop_last)))
@@ -200,10 +201,17 @@ class HeterogeneousSampler(Sampler[int]):
             order = torch.arange(self.n)
         return order[start:stop].tolist()
 
+    def on_iteration(self, callback) -> None:
+        """Call `callback()` whenever a pass over the data begins (the optimizer's step clock
+        restarts there: what the script did between two epochs is not a training step)."""
+        self._on_iteration.append(callback)
+
     def __iter__(self) -> Iterator[int]:
         if self._pending is not None:
             self._apply(self._pending, self.epoch)
         self._started = True
+        for callback in self._on_iteration:
+            callback()
         return iter(self.indices())  # fixed now: later set_shares cannot change this pass
 
     def __len__(self) -> int:

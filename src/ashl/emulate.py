@@ -1,0 +1,84 @@
+"""``python -m ashl.emulate SCRIPT [ARGS...]``: run any training script, unchanged, with the
+per-rank compute slowdowns of ``ASHL_EMULATE_COMPUTE`` (e.g. ``1,2,4``) applied to its steps.
+
+ashl's strategies read that variable themselves; this runner gives the same emulated cluster
+to a script that does not use ashl, such as the plain Horovod script a benchmark compares
+ashl with. On a rank with factor f every training step takes about f times its real compute:
+before each backward pass the rank sleeps (f - 1) times its previous step's compute (from
+the end of one optimizer step to the end of the next backward pass). The sleep comes before
+the backward pass, so gradients are ready as late as a slower GPU's would be (Horovod starts
+its allreduces during backward).
+"""
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+import time
+
+import torch
+
+from .emulation import compute_factor_from_env
+
+_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID")
+
+
+def launcher_rank() -> int:
+    for name in _RANK_VARS:
+        if name in os.environ:
+            return int(os.environ[name])
+    return 0
+
+
+class SlowSteps:
+    """Stretches every step of this process by `factor` (installed by ``install``)."""
+
+    def __init__(self, factor: float, clock=time.perf_counter, sleep=time.sleep):
+        self.factor, self.clock, self.sleep = factor, clock, sleep
+        self.step_end = clock()
+        self.last_compute = 0.0
+
+    def before_backward(self) -> float:
+        """Sleep for the previous step's stretch; returns the seconds slept."""
+        extra = (self.factor - 1.0) * self.last_compute
+        if extra > 0:
+            self.sleep(extra)
+        return extra
+
+    def after_backward(self, slept: float) -> None:
+        self.last_compute = max(0.0, self.clock() - self.step_end - slept)
+
+    def after_step(self) -> None:
+        self.step_end = self.clock()
+
+    def install(self) -> None:
+        backward = torch.Tensor.backward
+
+        def slow_backward(tensor, *args, **kwargs):
+            slept = self.before_backward()
+            out = backward(tensor, *args, **kwargs)
+            self.after_backward(slept)
+            return out
+
+        torch.Tensor.backward = slow_backward
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+        register_optimizer_step_post_hook(
+            lambda *_: self.after_step())
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip().splitlines()[0])
+        return 0 if argv else 2
+    factor = compute_factor_from_env(launcher_rank())
+    if factor != 1.0:
+        SlowSteps(factor).install()
+    sys.argv = list(argv)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))   # as `python SCRIPT` does
+    runpy.run_path(argv[0], run_name="__main__")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

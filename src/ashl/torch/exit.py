@@ -1,0 +1,65 @@
+"""Leaving the run when the user's script ends, with or without ``opt.finish()``.
+
+A Horovod script ends when its epoch loop ends; it never calls ``finish()``. Every wrapped
+optimizer is therefore left at interpreter exit by an ``atexit`` hook registered when the
+first one is built, after ``hvd.init()`` and mpi4py's import, so it runs before Horovod shuts
+down and MPI is finalised (atexit runs last-registered first), while the server thread and
+MPI are still alive.
+
+- The script ended normally: ``finish()`` on every optimizer still in the run, so every
+  rank ends with the same final global model (collective: every rank gets here).
+- The script ended with an uncaught exception on this rank: the other ranks cannot finish
+  with it (they would wait for its commits or its allreduce forever), so the job ends at
+  once with MPI_Abort, after a line that names this rank and the error. mpirun reports the
+  rank too. Nothing already trained on disk is touched.
+"""
+from __future__ import annotations
+
+import atexit
+import sys
+import traceback
+
+__all__ = ["leave_at_exit"]
+
+_optimizers: list = []
+_failure: list = []           # the uncaught exception that is ending the interpreter, if any
+_registered = False
+
+
+def leave_at_exit(optimizer) -> None:
+    """Finish `optimizer` at interpreter exit unless the script has finished it."""
+    global _registered
+    if not _registered:
+        _registered = True
+        previous = sys.excepthook
+
+        def record(kind, value, tb):
+            _failure.append(value)
+            previous(kind, value, tb)
+
+        sys.excepthook = record
+        atexit.register(_at_exit)
+    _optimizers.append(optimizer)
+
+
+def _at_exit() -> None:
+    live = [o for o in _optimizers if not getattr(o, "_ashl_closed", False)]
+    _optimizers.clear()
+    if not live:
+        return
+    if _failure:
+        _abort(live[0], f"an uncaught {type(_failure[0]).__name__}: {_failure[0]}")
+    for optimizer in reversed(live):
+        try:
+            optimizer.finish()
+        except BaseException as exc:   # noqa: BLE001 - the job must not hang on it
+            traceback.print_exc()
+            _abort(optimizer, f"finish() failed at exit: {type(exc).__name__}: {exc}")
+
+
+def _abort(optimizer, why: str) -> None:
+    strategy = optimizer._ashl
+    print(f"ashl: rank {strategy.rank} of {strategy.size} ended with {why}; ending the job "
+          "(the other ranks cannot finish without it)", file=sys.stderr, flush=True)
+    from mpi4py import MPI
+    MPI.COMM_WORLD.Abort(1)

@@ -1,0 +1,100 @@
+"""What a converted Horovod script passes: hvd.DistributedOptimizer's keywords, and
+DistributedSampler's signature (each honoured, or refused with a message naming it)."""
+import inspect
+
+import horovod.torch as hvd
+import pytest
+import torch
+from torch.utils.data.distributed import DistributedSampler
+
+import ashl.torch as ashl
+from ashl.stages import StageConfig
+from ashl.torch.horovod_keywords import HorovodKeywords
+
+from fake_world import FakeWorld
+
+
+def build(comm, fake_hvd, strategy="localsgd", **kw):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return model, ashl.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                            strategy=strategy, comm=comm, hvd=fake_hvd, **kw)
+
+
+def test_the_signature_is_horovods_in_horovods_order():
+    ours = list(inspect.signature(ashl.DistributedOptimizer).parameters)
+    theirs = list(inspect.signature(hvd.DistributedOptimizer).parameters)
+    assert ours[:len(theirs)] == theirs
+    ours = list(inspect.signature(ashl.HeterogeneousSampler).parameters)
+    theirs = list(inspect.signature(DistributedSampler).parameters)
+    assert ours[:len(theirs)] == theirs
+
+
+def test_the_sampler_takes_distributed_samplers_arguments_positionally():
+    s = ashl.HeterogeneousSampler(range(10), 2, 1, False, 7, True)
+    assert (s.num_replicas, s.rank, s.shuffle, s.seed, s.drop_last) == (2, 1, False, 7, True)
+    assert list(s) == list(range(5, 10))          # no shuffle: the second half
+    # as DistributedSampler: the ranks' parts are disjoint, the same size, and cover the data
+    other = ashl.HeterogeneousSampler(range(10), 2, 0, False, 7, True)
+    theirs = [set(DistributedSampler(range(10), 2, r, shuffle=False)) for r in (0, 1)]
+    assert set(other) | set(s) == theirs[0] | theirs[1] == set(range(10))
+    assert len(other) == len(s) == len(theirs[0]) == 5 and not set(other) & set(s)
+
+
+@pytest.mark.parametrize("keywords", [
+    dict(op=hvd.Average), dict(compression=hvd.Compression.none),
+    dict(backward_passes_per_step=4), dict(gradient_predivide_factor=1.0),
+    dict(num_groups=0, groups=None), dict(sparse_as_dense=True)])
+def test_keywords_a_delta_strategy_honours(keywords):
+    def rank_fn(comm, fake_hvd):
+        _, opt = build(comm, fake_hvd, local_steps=1, stage_config=StageConfig(max_commits=2),
+                       **keywords)
+        opt.finish()
+        return opt.strategy.backward_passes_per_step
+    assert FakeWorld(1).run(rank_fn) == [keywords.get("backward_passes_per_step", 1)]
+
+
+@pytest.mark.parametrize("keywords,needle", [
+    (dict(op=hvd.Adasum), "op=Adasum: strategy 'localsgd' merges model deltas as a weighted average"),
+    (dict(op=hvd.Sum), "op=Sum"),
+    (dict(gradient_predivide_factor=2.0), "gradient_predivide_factor=2.0: strategy 'localsgd' has no gradient sum"),
+    (dict(num_groups=2), "always sends the whole model in one fused buffer"),
+    (dict(groups=[[]]), "always sends the whole model in one fused buffer"),
+    (dict(process_set=object()), "the global process set"),
+    (dict(backward_passes_per_step=0), "backward_passes_per_step must be an integer >= 1"),
+    (dict(compression=hvd.Compression.fp16), "cannot send with compression=Compression.fp16"),
+])
+def test_keywords_that_have_no_meaning_are_refused_by_name(keywords, needle):
+    def rank_fn(comm, fake_hvd):
+        with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+            build(comm, fake_hvd, **keywords)
+        return True
+    assert FakeWorld(1).run(rank_fn) == [True]
+
+
+def test_bsp_gets_horovods_keywords_untouched():
+    kw = HorovodKeywords(backward_passes_per_step=2, op=hvd.Adasum, gradient_predivide_factor=2.0,
+                         num_groups=3).for_horovod()
+    assert kw == {"backward_passes_per_step": 2, "gradient_predivide_factor": 2.0,
+                  "num_groups": 3, "groups": None, "sparse_as_dense": False, "op": hvd.Adasum}
+
+
+def test_finished_is_an_error_where_nothing_can_end_the_run_and_a_step_after_the_end_is_a_no_op():
+    def rank_fn(comm, fake_hvd):
+        model, opt = build(comm, fake_hvd, local_steps=1)           # no target, no budget
+        with pytest.raises(ValueError, match="no target and no budget"):
+            _ = opt.finished
+        opt.finish()
+        assert opt.finished                                          # after the end: fine
+        model, opt = build(comm, fake_hvd, local_steps=1, stage_config=StageConfig(max_commits=1))
+        loss = model(torch.ones(1, 3)).sum()
+        loss.backward()
+        opt.step()
+        assert opt.finished
+        before = [p.detach().clone() for p in model.parameters()]
+        opt.step()                                                   # after the run: nothing moves
+        assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+        opt.finish()
+        return True
+    assert FakeWorld(1).run(rank_fn) == [True]
