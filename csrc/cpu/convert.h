@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX__)
+#if defined(__AVX__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -71,6 +71,17 @@ template <class F>
 inline void store_block(F* dst, const float* src, int64_t m, bool /*stream*/) {
 #pragma omp simd
   for (int64_t j = 0; j < m; ++j) store(dst, j, src[j]);
+}
+inline void store_block(F16* dst, const float* src, int64_t m, bool /*stream*/) {
+  int64_t j = 0;
+#if defined(__F16C__)
+  // GCC does not vectorise the narrowing to _Float16 (a scalar loop of
+  // vcvtps2ph); 8 at a time round to nearest even just the same.
+  for (; j + 8 <= m; j += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + j),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(src + j), _MM_FROUND_TO_NEAREST_INT));
+#endif
+  for (; j < m; ++j) store(dst, j, src[j]);
 }
 inline void store_block(float* dst, const float* src, int64_t m, bool stream) {
 #if defined(__AVX__)
