@@ -84,6 +84,12 @@ void require_float(DType d, const char* what) {
                                 " (expected float32, float16 or bfloat16)");
 }
 
+void require_index(DType d, const char* what) {
+  if (d != DType::kInt32 && d != DType::kInt64)
+    throw std::invalid_argument(std::string(what) + ": unsupported dtype " + dtype_name(d) +
+                                " (expected int32 or int64)");
+}
+
 void require_same_dtype(const TensorList& ref, const TensorList& other, const char* ref_name,
                         const char* other_name) {
   if (ref.dtype != other.dtype)
@@ -119,6 +125,26 @@ void check_unpack(const TensorList& params, const TensorList& anchors,
   require_float(flat.dtype, "flat");
 }
 
+void check_merge_dense(const TensorList& dst, const TensorList& delta, float weight) {
+  check_same_shape(dst, delta, "dst", "delta");
+  require_finite_weight(weight, "weight");
+  require_float(dst.dtype, "dst");
+  require_float(delta.dtype, "delta");
+}
+
+void check_merge_sparse(const Flat& dst, const void* indices, DType index_dtype,
+                        const void* values, DType value_dtype, int64_t nnz, float weight) {
+  if (nnz < 0) throw std::invalid_argument("nnz is negative");
+  if (nnz > 0 && (indices == nullptr || values == nullptr))
+    throw std::invalid_argument("indices/values: null pointer");
+  if (dst.numel < 0) throw std::invalid_argument("dst: negative size");
+  if (dst.numel > 0 && dst.data == nullptr) throw std::invalid_argument("dst: null pointer");
+  require_finite_weight(weight, "weight");
+  require_index(index_dtype, "indices");
+  require_float(value_dtype, "values");
+  require_float(dst.dtype, "dst");
+}
+
 void check_weighted_sum(const TensorList& out, const std::vector<TensorList>& inputs,
                         const std::vector<float>& weights) {
   if (inputs.size() != weights.size())
@@ -132,6 +158,9 @@ void check_weighted_sum(const TensorList& out, const std::vector<TensorList>& in
                                   " but inputs[0] is " + dtype_name(inputs[0].dtype));
     require_finite_weight(weights[k], "weights[" + std::to_string(k) + "]");
   }
+  if (inputs.empty()) check_same_shape(out, out, "out", "out");
+  require_float(out.dtype, "out");
+  if (!inputs.empty()) require_float(inputs[0].dtype, "inputs");
 }
 
 }  // namespace ashl

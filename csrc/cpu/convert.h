@@ -1,17 +1,17 @@
-// Storage types and fp32 load/store for the CPU kernels. Written branch-free so
-// the compiler vectorises the inner loops (bf16 via bit operations, fp16 via
-// _Float16 which becomes vcvtph2ps/vcvtps2ph where F16C is available).
+// Storage types and fp32 load/store for the CPU driver of the ops (ashl/ops.h).
+// Written branch-free so the compiler vectorises the inner loops (bf16 via bit
+// operations, fp16 via _Float16 which becomes vcvtph2ps/vcvtps2ph where F16C is
+// available).
 #pragma once
 
 #include <cstdint>
 #include <cstring>
-#include <string>
 
-#if defined(__AVX__)
+#if defined(__AVX__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
-#include "ashl/kernels.h"
+#include "ashl/ops.h"
 
 namespace ashl::cpu {
 
@@ -21,6 +21,12 @@ using F16 = _Float16;
 #else
 struct F16 { uint16_t bits; };
 #endif
+
+// The host's storage types, for dispatch_float<HostStorage> (ashl/ops.h).
+struct HostStorage {
+  using f16 = F16;
+  using bf16 = BF16;
+};
 
 inline uint32_t f32_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
 inline float bits_f32(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
@@ -47,6 +53,17 @@ inline float load(const F16* p, int64_t i) { return half_to_float(p[i].bits); }
 inline void store(F16* p, int64_t i, float v) { p[i].bits = float_to_half(v); }
 #endif
 
+// ops::nonfinite of a stored value. fp16 tests the stored exponent bits
+// instead (all set iff NaN/Inf, as after widening): GCC does not vectorise
+// the _Float16 widening, and this runs over every element of a merge.
+template <class T>
+inline bool nonfinite(const T* p, int64_t i) { return ops::nonfinite(load(p, i)); }
+inline bool nonfinite(const F16* p, int64_t i) {
+  uint16_t u;
+  std::memcpy(&u, p + i, 2);
+  return (u & 0x7c00u) == 0x7c00u;
+}
+
 // Writes m fp32 values from a cache-resident block to dst. With `stream`, fp32
 // goes out through non-temporal stores: a destination too large for the cache
 // then costs one write instead of a read-for-ownership plus a write.
@@ -54,6 +71,17 @@ template <class F>
 inline void store_block(F* dst, const float* src, int64_t m, bool /*stream*/) {
 #pragma omp simd
   for (int64_t j = 0; j < m; ++j) store(dst, j, src[j]);
+}
+inline void store_block(F16* dst, const float* src, int64_t m, bool /*stream*/) {
+  int64_t j = 0;
+#if defined(__F16C__)
+  // GCC does not vectorise the narrowing to _Float16 (a scalar loop of
+  // vcvtps2ph); 8 at a time round to nearest even just the same.
+  for (; j + 8 <= m; j += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + j),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(src + j), _MM_FROUND_TO_NEAREST_INT));
+#endif
+  for (; j < m; ++j) store(dst, j, src[j]);
 }
 inline void store_block(float* dst, const float* src, int64_t m, bool stream) {
 #if defined(__AVX__)
@@ -73,30 +101,6 @@ inline void stream_fence() {
 #if defined(__AVX__)
   _mm_sfence();
 #endif
-}
-
-// True when the stored value is NaN or +-Inf (all exponent bits set).
-inline bool nonfinite(const float* p, int64_t i) {
-  uint32_t u; std::memcpy(&u, p + i, 4);
-  return (u & 0x7f800000u) == 0x7f800000u;
-}
-inline bool nonfinite(const F16* p, int64_t i) {
-  uint16_t u; std::memcpy(&u, p + i, 2);
-  return (u & 0x7c00u) == 0x7c00u;
-}
-inline bool nonfinite(const BF16* p, int64_t i) { return (p[i].bits & 0x7f80u) == 0x7f80u; }
-
-// Calls f(T{}) with T the storage type of a float dtype.
-template <class F>
-void dispatch_float(DType d, const char* what, F&& f) {
-  switch (d) {
-    case DType::kFloat32: f(float{}); return;
-    case DType::kFloat16: f(F16{}); return;
-    case DType::kBFloat16: f(BF16{}); return;
-    default:
-      throw std::invalid_argument(std::string(what) + ": unsupported dtype " + dtype_name(d) +
-                                  " (expected float32, float16 or bfloat16)");
-  }
 }
 
 }  // namespace ashl::cpu

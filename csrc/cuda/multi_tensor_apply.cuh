@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "ashl/kernels.h"
+#include "ashl/ops.h"
 
 namespace ashl::cuda::detail {
 
@@ -55,14 +56,19 @@ struct Meta {
 };
 
 // ---- fp32 conversion and vectorised access --------------------------------
-// __host__ too, so that a host-only test can run the ops and the block
-// mapping without a GPU.
-#define ASHL_HD __host__ __device__ __forceinline__
+// ASHL_HD (ashl/ops.h) is __host__ __device__ here, so that a host-only test
+// can run the ops and the block mapping without a GPU.
 #ifdef __CUDA_ARCH__
 #define ASHL_UNROLL _Pragma("unroll")
 #else
 #define ASHL_UNROLL
 #endif
+
+// The device's storage types, for dispatch_float<DeviceStorage> (ashl/ops.h).
+struct DeviceStorage {
+  using f16 = __half;
+  using bf16 = __nv_bfloat16;
+};
 
 ASHL_HD float to_f(float x) { return x; }
 ASHL_HD float to_f(__half x) { return __half2float(x); }
@@ -73,13 +79,6 @@ template <> ASHL_HD float from_f<float>(float x) { return x; }
 template <> ASHL_HD __half from_f<__half>(float x) { return __float2half_rn(x); }
 template <> ASHL_HD __nv_bfloat16 from_f<__nv_bfloat16>(float x) {
   return __float2bfloat16_rn(x);
-}
-
-// NaN or +-Inf: all exponent bits set. A bit test is immune to fast-math flags.
-ASHL_HD bool nonfinite(float x) {
-  uint32_t u;
-  memcpy(&u, &x, 4);
-  return (u & 0x7f800000u) == 0x7f800000u;
 }
 
 // V consecutive elements as one aligned access (16 bytes for V = 16/sizeof(T)).
@@ -103,10 +102,12 @@ ASHL_HD void store(T* p, const float (&r)[V]) {
   *reinterpret_cast<Vec<T, V>*>(p) = x;
 }
 
-// Elements per vector for an op touching types A and B: 16 bytes of the wider.
-template <typename A, typename B>
+// Elements per vector for an op touching types T...: 16 bytes of the widest.
+template <typename... T>
 constexpr int vec_for() {
-  return 16 / static_cast<int>(sizeof(A) > sizeof(B) ? sizeof(A) : sizeof(B));
+  size_t widest = 1;
+  ((widest = sizeof(T) > widest ? sizeof(T) : widest), ...);
+  return 16 / static_cast<int>(widest);
 }
 
 ASHL_HD bool flag_set(const int32_t* flag) {

@@ -1,13 +1,16 @@
 // GPU-less test of the CUDA back end: built with ASHL_CUDA_EMULATE, every launch
 // runs serially on the host over host memory (ops, block mapping, tails,
-// misaligned views, batching across launches, flags, validation). Not part of
-// the library build; tests/test_cuda_emulation.py builds and runs it. By hand,
-// from the repository root:
-//   nvcc -std=c++17 -O2 -diag-suppress 20011 -Icsrc/include -Icsrc/cuda \
-//        tests/native/cuda_emulate_test.cu csrc/common.cpp -o /tmp/emulate_test && /tmp/emulate_test
+// misaligned views, batching across launches, flags, validation). The CPU back
+// end is linked in too, and both drivers of ashl/ops.h must give the same bits.
+// Not part of the library build; tests/test_cuda_emulation.py builds and runs
+// it. By hand, from the repository root:
+//   nvcc -std=c++17 -O2 -diag-suppress 20011 -Xcompiler -ffp-contract=off \
+//        -Icsrc/include -Icsrc/cuda tests/native/cuda_emulate_test.cu csrc/common.cpp \
+//        csrc/cpu/kernels.cpp -o /tmp/emulate_test && /tmp/emulate_test
 #define ASHL_CUDA_EMULATE 1
 #include "kernels.cu"
 
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <random>
@@ -252,12 +255,138 @@ void test_wsum(int K, bool misalign) {
       float acc = 0.f;
       O stored{};
       for (int k = 0; k < K; ++k) {
-        acc += w[k] * to_f(in[k].at(i)[j]);
+        const float term = w[k] * to_f(in[k].at(i)[j]);
+        acc = k == 0 ? term : acc + term;
         if (k % ashl::cuda::kMaxInputs == ashl::cuda::kMaxInputs - 1 && k + 1 < K) { stored = from_f<O>(acc); acc = to_f(stored); }
       }
       ok = ok && same_bits(out.at(i)[j], from_f<O>(acc));
     }
   EXPECT(ok);
+}
+
+// ---------- both drivers of ashl/ops.h: the same bits ----------
+// Every op through ashl::cpu and the emulated ashl::cuda on copies of the same
+// inputs, specials included. A NaN result only has to be NaN on both: which
+// NaN comes out is the hardware's choice.
+
+template <class T> bool same_value(T a, T b) {
+  return same_bits(a, b) || (std::isnan(to_f(a)) && std::isnan(to_f(b)));
+}
+template <class T> bool same_values(const std::vector<T>& a, const std::vector<T>& b) {
+  for (size_t i = 0; i < a.size(); ++i)
+    if (!same_value(a[i], b[i])) return false;
+  return a.size() == b.size();
+}
+
+// Every 13th element a special value (the first 7 finite in every storage
+// type); the same one at the same place in every buffer of a salt, so
+// weighted sums meet all-zero positions.
+template <class T> void sprinkle(std::vector<T>& v, int salt, bool finite = false) {
+  const float sp[] = {0.f,     -0.f,     1e-41f,   -6e-8f,    1e-5f,     65504.f,
+                      -6e4f,   70000.f,  -3.3e38f, INFINITY, -INFINITY, NAN};
+  const int n = finite ? 7 : 12;
+  for (size_t i = 0; i < v.size(); i += 13) v[i] = from_f<T>(sp[(i / 13 + salt) % n]);
+}
+
+// A copy whose list points into its own buffer.
+template <class T> Store<T> twin(const Store<T>& s) {
+  Store<T> c = s;
+  for (auto& p : c.list.ptrs) p = c.buf.data() + (static_cast<T*>(p) - s.buf.data());
+  return c;
+}
+
+template <class P, class F>
+void agree_pack_unpack(bool misalign) {
+  Store<P> prm(kSizes, misalign), anc(kSizes, misalign), res(kSizes, !misalign);
+  sprinkle(prm.buf, 0); sprinkle(anc.buf, 3); sprinkle(res.buf, 5);
+  int64_t fn;
+  const auto off = make_offsets(kSizes, fn, misalign);
+  std::vector<F> g(fn), c(fn);
+  for (bool with_res : {false, true}) {
+    const TensorList* r = with_res ? &res.list : nullptr;
+    cuda::pack_delta(prm.list, anc.list, r, off, Flat{g.data(), dt<F>(), fn}, -0.37f, {});
+    cpu::pack_delta(prm.list, anc.list, r, off, Flat{c.data(), dt<F>(), fn}, -0.37f);
+    EXPECT(same_values(g, c));
+  }
+  Store<P> prm2 = twin(prm), anc2 = twin(anc);
+  cuda::unpack_add(prm.list, anc.list, off, Flat{g.data(), dt<F>(), fn}, {});
+  cpu::unpack_add(prm2.list, anc2.list, off, Flat{g.data(), dt<F>(), fn});
+  EXPECT(same_values(prm.buf, prm2.buf) && same_values(anc.buf, anc2.buf));
+  sprinkle(g, 1);
+  cuda::unpack_assign(prm.list, anc.list, off, Flat{g.data(), dt<F>(), fn}, {});
+  cpu::unpack_assign(prm2.list, anc2.list, off, Flat{g.data(), dt<F>(), fn});
+  EXPECT(same_values(prm.buf, prm2.buf) && same_values(anc.buf, anc2.buf));
+}
+
+template <class D, class X>
+void agree_merge_dense(bool misalign) {
+  Store<D> dst(kSizes, misalign);
+  Store<X> del(kSizes, !misalign);
+  sprinkle(dst.buf, 0); sprinkle(del.buf, 2, true);
+  Store<D> dst2 = twin(dst);
+  int32_t scratch[4] = {};
+  EXPECT(cuda::merge_dense(dst.list, del.list, -0.3f, {nullptr, scratch}));
+  EXPECT(cpu::merge_dense(dst2.list, del.list, -0.3f));
+  EXPECT(same_values(dst.buf, dst2.buf));
+}
+
+template <class I, class V, class D>
+void agree_sparse() {
+  const int64_t n = 1001, nnz = 3000;  // duplicates: both add them in index order
+  std::vector<D> dst(n);
+  std::vector<I> idx(nnz);
+  std::vector<V> val(nnz);
+  for (auto& x : dst) x = from_f<D>(rnd());
+  for (int64_t k = 0; k < nnz; ++k) { idx[k] = static_cast<I>(rng() % n); val[k] = from_f<V>(rnd()); }
+  sprinkle(dst, 0); sprinkle(val, 4, true);
+  std::vector<D> dst2(dst);
+  const DType it = sizeof(I) == 4 ? DType::kInt32 : DType::kInt64;
+  int32_t scratch[4] = {};
+  EXPECT(cuda::merge_sparse(Flat{dst.data(), dt<D>(), n}, idx.data(), it, val.data(), dt<V>(), nnz, 0.7f, {nullptr, scratch}));
+  EXPECT(cpu::merge_sparse(Flat{dst2.data(), dt<D>(), n}, idx.data(), it, val.data(), dt<V>(), nnz, 0.7f));
+  EXPECT(same_values(dst, dst2));
+}
+
+// K > kMaxInputs only with fp32 out: CUDA rounds the running sum to out's
+// storage between passes.
+template <class O, class I>
+void agree_wsum(int K, bool misalign, bool negative) {
+  Store<O> out(kSizes, misalign);
+  Store<O> out2 = twin(out);
+  std::vector<Store<I>> in;
+  std::vector<TensorList> lists;
+  std::vector<float> w;
+  for (int k = 0; k < K; ++k) {
+    in.emplace_back(kSizes, (k % 2) == misalign);
+    sprinkle(in.back().buf, 0);
+    w.push_back(negative ? -0.5f - 0.1f * k : rnd());
+  }
+  for (auto& s : in) lists.push_back(s.list);
+  cuda::weighted_sum(out.list, lists, w, {});
+  cpu::weighted_sum(out2.list, lists, w);
+  EXPECT(same_values(out.buf, out2.buf));
+}
+
+void agree() {
+#define AGREE_PU(P, F) for (int m = 0; m < 2; ++m) agree_pack_unpack<P, F>(m);
+  AGREE_PU(float, float) AGREE_PU(float, __half) AGREE_PU(float, __nv_bfloat16)
+  AGREE_PU(__half, float) AGREE_PU(__half, __half) AGREE_PU(__half, __nv_bfloat16)
+  AGREE_PU(__nv_bfloat16, float) AGREE_PU(__nv_bfloat16, __half) AGREE_PU(__nv_bfloat16, __nv_bfloat16)
+#define AGREE_MD(D, X) for (int m = 0; m < 2; ++m) agree_merge_dense<D, X>(m);
+  AGREE_MD(float, float) AGREE_MD(float, __half) AGREE_MD(__half, float)
+  AGREE_MD(__nv_bfloat16, __half) AGREE_MD(__half, __nv_bfloat16) AGREE_MD(__nv_bfloat16, float)
+  agree_sparse<int32_t, float, float>();
+  agree_sparse<int64_t, __half, float>();
+  agree_sparse<int32_t, float, __half>();
+  agree_sparse<int64_t, __nv_bfloat16, __nv_bfloat16>();
+  for (int K : {0, 1, 3, 4, 5, 8}) {
+    for (bool neg : {false, true}) {
+      agree_wsum<float, float>(K, false, neg); agree_wsum<__half, float>(K, true, neg);
+      agree_wsum<__nv_bfloat16, __half>(K, false, neg); agree_wsum<float, __nv_bfloat16>(K, true, neg);
+    }
+  }
+  for (int K : {9, 17}) { agree_wsum<float, float>(K, false, true); agree_wsum<float, __half>(K, true, false); }
+  std::printf("cpu == emulated cuda done\n");
 }
 
 template <class T, class F>
@@ -300,6 +429,7 @@ int main() {
   std::printf("merge_sparse done\n");
   for (int K : {0, 1, 3, 8, 9, 11, 17}) { test_wsum<float, float>(K, false); test_wsum<__half, float>(K, true); test_wsum<__nv_bfloat16, __half>(K, false); }
   std::printf("weighted_sum done\n");
+  agree();
 
   // aliasing: out == inputs[0] fine, out == inputs[9] rejected
   {

@@ -24,7 +24,8 @@ int64_t dtype_size(DType d);
 bool is_float(DType d);
 
 // A list of same-dtype tensors, each a contiguous run of `numels[i]` elements
-// at `ptrs[i]`, placed at `offsets[i]` (elements) inside a flat buffer.
+// at `ptrs[i]`. Where a flat buffer is involved, a separate `offsets` argument
+// places tensor i at element offsets[i] of it.
 struct TensorList {
   DType dtype = DType::kFloat32;
   std::vector<void*> ptrs;
@@ -41,8 +42,9 @@ struct Flat {
 // Execution context for CUDA (ignored on CPU).
 struct CudaContext {
   void* stream = nullptr;      // cudaStream_t; nullptr = default stream
-  // Device memory for 2 int32 flags, zeroed by the caller before each call
-  // (may be null when the call has no work).
+  // Device memory for int32 flags: merge_dense uses 1, merge_sparse 2
+  // (ashl.kernels passes 4). Each call zeroes the flags it uses on `stream`
+  // first. May be null for the other kernels and for calls with no work.
   int32_t* scratch = nullptr;
 };
 
@@ -53,15 +55,20 @@ void check_layout(const TensorList& shape, const std::vector<int64_t>& offsets, 
 void check_same_shape(const TensorList& ref, const TensorList& other, const char* ref_name,
                       const char* other_name);
 void require_float(DType d, const char* what);
+void require_index(DType d, const char* what);  // int32 or int64
 void require_same_dtype(const TensorList& ref, const TensorList& other, const char* ref_name,
                         const char* other_name);
 void require_finite_weight(float w, const std::string& what);
-// Everything both back ends check before pack_delta / unpack_assign / unpack_add.
+// Everything both back ends check before running each kernel (the indices of
+// merge_sparse are checked by the kernel itself, before it writes anything).
 void check_pack_delta(const TensorList& params, const TensorList& anchors,
                       const TensorList* residuals, const std::vector<int64_t>& offsets,
                       const Flat& out, float scale);
 void check_unpack(const TensorList& params, const TensorList& anchors,
                   const std::vector<int64_t>& offsets, const Flat& flat);
+void check_merge_dense(const TensorList& dst, const TensorList& delta, float weight);
+void check_merge_sparse(const Flat& dst, const void* indices, DType index_dtype,
+                        const void* values, DType value_dtype, int64_t nnz, float weight);
 void check_weighted_sum(const TensorList& out, const std::vector<TensorList>& inputs,
                         const std::vector<float>& weights);
 
