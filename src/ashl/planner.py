@@ -506,22 +506,38 @@ def bottleneck_steps(compute: Sequence[float], comm: Sequence[float], k_max: int
     candidates = range(1, k_max + 1) if comm_budget is not None else (k_max,)
     for k in candidates:
         b, steps = rank_steps(compute, comm, k, rounding, cap)
-        rounds = [h * c + cm for h, c, cm in zip(steps, compute, comm)]
-        longest = max(rounds)
-        fits = comm_budget is None or (comm[b] <= comm_budget * rounds[b] and
-                                       all(longest - r <= comm_budget * longest for r in rounds))
-        if fits or k == k_max:
+        if comm_budget is None or within_budget(compute, comm, b, steps, comm_budget) or k == k_max:
             return k, b, steps
     raise AssertionError("unreachable")   # k_max >= 1 is validated
+
+
+def within_budget(compute: Sequence[float], comm: Sequence[float], bottleneck: int,
+                  steps: Sequence[int], budget: float) -> bool:
+    """Does the bottleneck's communication, and every rank's idle time, stay within `budget`
+    of the round?"""
+    rounds = [h * c + cm for h, c, cm in zip(steps, compute, comm)]
+    longest = max(rounds)
+    return (comm[bottleneck] <= budget * rounds[bottleneck]
+            and all(longest - r <= budget * longest for r in rounds))
+
+
+def _dense_fits(profiles, compute, pull, k_max, cap, config) -> bool:
+    if config.comm_budget is None:
+        return False
+    dense = [push_seconds(p, 1.0, config) + d for p, d in zip(profiles, pull)]
+    k, b, steps = bottleneck_steps(compute, dense, k_max, config.comm_budget, config.rounding, cap)
+    return within_budget(compute, dense, b, steps, config.comm_budget)
 
 
 def plan_stage(profiles: Sequence[RankProfile], config: PlannerConfig, stage: str,
                shares: Sequence[Fraction] | None = None) -> StagePlan:
     """Plan one stage. `shares` overrides the stage's own H-proportional shares."""
     k_max, r0, cap = config.stage_params(stage)
-    compressing = r0 < 1
     compute = [float(p.compute_s) for p in profiles]
     pull = [pull_seconds(p, config) for p in profiles]
+    if r0 < 1 and _dense_fits(profiles, compute, pull, k_max, cap, config):
+        r0 = 1.0      # a dense commit already costs little: top-k would only lose information
+    compressing = r0 < 1
     compress = [float(p.compress_s) if compressing else 0.0 for p in profiles]
     comm = [push_seconds(p, r0, config) + d + g for p, d, g in zip(profiles, pull, compress)]
 

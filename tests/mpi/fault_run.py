@@ -75,7 +75,8 @@ while not opt.finished:
                 next(model.parameters()).view(-1)[0] = math.nan  # the next delta holds NaN
             poisoned = True
         if (rank == args.kill_rank and commits >= args.kill_at_commit
-                and opt.stage == args.kill_in_stage):
+                and opt.stage == args.kill_in_stage and (not args.checkpoint or epoch >= 1)):
+            # (after the first epoch's checkpoint, so there is one to resume from)
             print(f"rank {rank}: killing myself in {opt.stage} after {commits} commits", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         if opt.finished:

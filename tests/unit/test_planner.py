@@ -360,8 +360,12 @@ def test_the_plan_follows_the_communication_budget():
     assert plan.shl.k == 1
     fixed = make_plan(fast_link, PlannerConfig(comm_budget=None))
     assert fixed.ahl.local_steps == (32, 16, 8) and fixed.shl.local_steps == (8, 4, 2)
+    # a dense commit fits the budget: SHL is planned dense too (top-k would only lose)
+    assert plan.shl.ratios == (1.0, 1.0, 1.0) and plan.shl.target_ratio == 1.0
+    assert fixed.shl.ratios[2] == 0.1
     slow_link = [RankProfile(compute_s=c, push_s=0.5, pull_s=0.5) for c in (0.01, 0.02, 0.04)]
     assert make_plan(slow_link).ahl.k == 8 and make_plan(slow_link).shl.k == 2
+    assert make_plan(slow_link).shl.ratios[2] == 0.1
 
 
 @pytest.mark.parametrize("value", [0.0, 1.0, -0.1, float("nan"), "0.1"])
