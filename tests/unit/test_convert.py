@@ -82,5 +82,8 @@ def test_time_to_target_spread_and_the_ratio_per_repeat():
     s = summarize(runs, band=0.02)
     assert s["target_accuracy"] == pytest.approx(0.89)        # median 0.91 less the band
     assert s["horovod"]["time_to_target_s"]["median"] == pytest.approx(9.0)   # 8 and 10
-    assert s["ratio_time_to_target"]["min"] == pytest.approx(4.0 / 8.0)
-    assert s["ratio_time_to_target"]["max"] == pytest.approx(6.0 / 10.0)
+    assert s["ratio_time_to_target_s"]["min"] == pytest.approx(4.0 / 8.0)
+    assert s["ratio_time_to_target_s"]["max"] == pytest.approx(6.0 / 10.0)
+    # after the first epoch: (4 - 2) / (8 - 4) and (6 - 3) / (10 - 5)
+    assert s["ratio_training_to_target_s"]["min"] == pytest.approx(0.5)
+    assert s["ratio_training_to_target_s"]["max"] == pytest.approx(0.6)
