@@ -16,10 +16,13 @@ import sys
 
 __all__ = ["convert", "ConversionError"]
 
-_IMPORT = re.compile(r"^([ \t]*)import horovod\.torch as hvd[ \t]*$", re.M)
-_SAMPLER = re.compile(
-    r"^([ \t]*)(\w+)\s*=\s*(?:torch\.utils\.data\.distributed\.)?DistributedSampler\((.*)\)[ \t]*$", re.M)
-_OPTIMIZER = re.compile(r"^([ \t]*)(\w+)\s*=\s*hvd\.DistributedOptimizer\((.*)\)[ \t]*$", re.M)
+# A call on one line: its arguments (the shortest run that leaves only `)` and an optional
+# comment after it), then any comment, which is kept.
+_CALL_END = r"\((.*?),?[ \t]*\)([ \t]*#.*)?\r?$"
+_IMPORT = re.compile(r"^([ \t]*)import horovod\.torch as hvd([ \t]*#.*)?\r?$", re.M)
+_SAMPLER = re.compile(r"^([ \t]*)(\w+)[ \t]*=[ \t]*(?:torch\.utils\.data\.distributed\.)?"
+                      r"DistributedSampler" + _CALL_END, re.M)
+_OPTIMIZER = re.compile(r"^([ \t]*)(\w+)[ \t]*=[ \t]*hvd\.DistributedOptimizer" + _CALL_END, re.M)
 
 
 class ConversionError(ValueError):
@@ -40,12 +43,13 @@ def convert(text: str) -> str:
     imp = _one(_IMPORT, text, "`import horovod.torch as hvd`")
     sampler = _one(_SAMPLER, text, "`NAME = DistributedSampler(...)` for the training data")
     opt = _one(_OPTIMIZER, text, "`NAME = hvd.DistributedOptimizer(...)` on one line")
+    tail = lambda m, i: m.group(i) or ""   # noqa: E731 - a kept comment
     edits = [
-        (imp, f"{imp.group(1)}import horovod.torch as hvd, ashl.torch as ashl"),
+        (imp, f"{imp.group(1)}import horovod.torch as hvd, ashl.torch as ashl{tail(imp, 2)}"),
         (sampler, f"{sampler.group(1)}{sampler.group(2)} = "
-                  f"ashl.HeterogeneousSampler({sampler.group(3)})"),
+                  f"ashl.HeterogeneousSampler({sampler.group(3)}){tail(sampler, 4)}"),
         (opt, f"{opt.group(1)}{opt.group(2)} = ashl.DistributedOptimizer("
-              f"{opt.group(3)}, sampler={sampler.group(2)})"),
+              f"{opt.group(3)}, sampler={sampler.group(2)}){tail(opt, 4)}"),
     ]
     for match, line in sorted(edits, key=lambda e: -e[0].start()):
         text = text[:match.start()] + line + text[match.end():]

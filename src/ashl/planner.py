@@ -521,12 +521,15 @@ def within_budget(compute: Sequence[float], comm: Sequence[float], bottleneck: i
             and all(longest - r <= budget * longest for r in rounds))
 
 
-def _dense_fits(profiles, compute, pull, k_max, cap, config) -> bool:
+def _dense_fits(profiles, compute, pull, k_max, r0, cap, config) -> bool:
+    """Do dense commits fit the communication budget, as often as top-k ones would?"""
     if config.comm_budget is None:
         return False
     dense = [push_seconds(p, 1.0, config) + d for p, d in zip(profiles, pull)]
     k, b, steps = bottleneck_steps(compute, dense, k_max, config.comm_budget, config.rounding, cap)
-    return within_budget(compute, dense, b, steps, config.comm_budget)
+    sparse = [push_seconds(p, r0, config) + d + float(p.compress_s) for p, d in zip(profiles, pull)]
+    k_sparse = bottleneck_steps(compute, sparse, k_max, config.comm_budget, config.rounding, cap)[0]
+    return k <= k_sparse and within_budget(compute, dense, b, steps, config.comm_budget)
 
 
 def plan_stage(profiles: Sequence[RankProfile], config: PlannerConfig, stage: str,
@@ -535,7 +538,7 @@ def plan_stage(profiles: Sequence[RankProfile], config: PlannerConfig, stage: st
     k_max, r0, cap = config.stage_params(stage)
     compute = [float(p.compute_s) for p in profiles]
     pull = [pull_seconds(p, config) for p in profiles]
-    if r0 < 1 and _dense_fits(profiles, compute, pull, k_max, cap, config):
+    if r0 < 1 and _dense_fits(profiles, compute, pull, k_max, r0, cap, config):
         r0 = 1.0      # a dense commit already costs little: top-k would only lose information
     compressing = r0 < 1
     compress = [float(p.compress_s) if compressing else 0.0 for p in profiles]

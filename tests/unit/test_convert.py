@@ -87,3 +87,16 @@ def test_time_to_target_spread_and_the_ratio_per_repeat():
     # after the first epoch: (4 - 2) / (8 - 4) and (6 - 3) / (10 - 5)
     assert s["ratio_training_to_target_s"]["min"] == pytest.approx(0.5)
     assert s["ratio_training_to_target_s"]["max"] == pytest.approx(0.6)
+
+
+def test_comments_and_a_trailing_comma_survive_the_conversion():
+    text = ("import horovod.torch as hvd  # the usual\n"
+            "sampler_train = DistributedSampler(ds, num_replicas=2, rank=0,)  # (shards)\n"
+            "opt = hvd.DistributedOptimizer(opt, named_parameters=m.named_parameters())  # (wrap)\n")
+    out = convert(text).splitlines()
+    assert out[0] == "import horovod.torch as hvd, ashl.torch as ashl  # the usual"
+    assert out[1] == ("sampler_train = ashl.HeterogeneousSampler(ds, num_replicas=2, rank=0)"
+                      "  # (shards)")
+    assert out[2] == ("opt = ashl.DistributedOptimizer(opt, named_parameters=m.named_parameters(), "
+                      "sampler=sampler_train)  # (wrap)")
+    compile("\n".join(out), "converted", "exec")

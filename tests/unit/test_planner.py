@@ -379,3 +379,10 @@ def test_the_authors_rules_in_one_call():
     assert (c.share_source, c.rounding, c.sparse_bytes_factor, c.comm_budget) == \
         ("shl", "half_even", 1.0, None)
     assert c.shl_target_ratio == 0.3 and PlannerConfig().comm_budget == 0.1
+
+
+def test_shl_goes_dense_only_where_that_costs_no_commits():
+    # dense pushes fit the budget at k = 2 only, top-k ones at k = 1: keep top-k
+    profiles = [RankProfile(compute_s=0.01, push_s=0.0015, pull_s=1e-5) for _ in range(3)]
+    plan = make_plan(profiles, PlannerConfig(shl_target_ratio=0.1))
+    assert plan.shl.k == 1 and plan.shl.ratios == (0.1, 0.1, 0.1)

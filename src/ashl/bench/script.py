@@ -97,7 +97,7 @@ def summarize(runs: dict, band: float) -> dict:
         out[side] = {k: spread([r[k] for r in rs]) for k in keys}
     for key in ("time_to_target_s", "training_to_target_s"):
         out["ratio_" + key] = spread([a[key] / h[key] for a, h in zip(runs["ashl"], runs["horovod"])
-                                      if a[key] and h[key]])
+                                      if a[key] is not None and h[key]])
     return out
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import sys
+import threading
 import traceback
 
 __all__ = ["leave_at_exit"]
@@ -31,21 +32,35 @@ def leave_at_exit(optimizer) -> None:
     global _registered
     if not _registered:
         _registered = True
-        previous = sys.excepthook
+        previous, previous_thread = sys.excepthook, threading.excepthook
 
         def record(kind, value, tb):
             _failure.append(value)
             previous(kind, value, tb)
 
+        def record_thread(args):
+            if args.exc_type is not SystemExit:
+                _failure.append(args.exc_value)
+            previous_thread(args)
+
         sys.excepthook = record
+        threading.excepthook = record_thread
         atexit.register(_at_exit)
     _optimizers.append(optimizer)
 
 
 def _at_exit() -> None:
-    live = [o for o in _optimizers if not getattr(o, "_ashl_closed", False)]
+    # Only runs on a real MPI world are left here (a test's in-process fake world is not).
+    live = [o for o in _optimizers if not getattr(o, "_ashl_closed", False)
+            and type(o._ashl.comm).__module__.startswith("mpi4py")]
     _optimizers.clear()
     if not live:
+        return
+    from mpi4py import MPI
+    if MPI.Is_finalized():
+        print(f"ashl: rank {live[0]._ashl.rank}: MPI was shut down before the run was left "
+              "(hvd.shutdown() before the end of the script?); call opt.finish() before it",
+              file=sys.stderr, flush=True)
         return
     if _failure:
         _abort(live[0], f"an uncaught {type(_failure[0]).__name__}: {_failure[0]}")
