@@ -76,6 +76,7 @@ class ServerStrategy(Strategy):
         self.server: Optional[ServerThread] = None
         self.version = 0                     # global version of the model we hold
         self._resume: Optional[dict] = None
+        self._evaluated_model: Optional[torch.Tensor] = None   # the model that met the target
 
     # ------------------------------------------------------------------------ reading
     @property
@@ -174,7 +175,8 @@ class ServerStrategy(Strategy):
 
     def _evaluate(self) -> None:
         """Server rank: the evaluation callback on the model just received; a target met
-        stops the run (the server thread answers the ranks it holds back)."""
+        stops the run (the server thread answers the ranks it holds back) and that model,
+        not one with the commits merged while it was evaluated, is the final one."""
         if self.finished:
             return
         accuracy = self.evaluations.maybe()
@@ -182,9 +184,13 @@ class ServerStrategy(Strategy):
             return
         with self.mc.lock:
             self.mc.coordinator.on_evaluation(accuracy=accuracy)
-            done = self.mc.coordinator.machine.done
+            machine = self.mc.coordinator.machine
+            done, reason = machine.done, machine.stop_reason
+        if done and reason.startswith("target"):
+            self._evaluated_model = torch.cat([t.detach().reshape(-1).float()
+                                               for t in self.tensors])
         if done:
-            self.server.request_stop("evaluation reached the target")
+            self.server.request_stop(reason)
         self.timeline.instant("eval", accuracy=accuracy)
 
     # ------------------------------------------------------------------------- the end
@@ -193,7 +199,8 @@ class ServerStrategy(Strategy):
         final = torch.empty(self.numel, dtype=torch.float32)
         if self.server is not None:
             self.server.join()
-            final.copy_(self.server.server.model)
+            kept = self._evaluated_model
+            final.copy_(self.server.server.model if kept is None else kept)
         self.wire.Bcast(final.numpy(), root=self.server_rank)
         kernels.unpack_assign(self.tensors, self.anchors, final)
         reason = self.wire.bcast(self.stop_reason if self.is_server else None,
