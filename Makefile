@@ -47,7 +47,8 @@ bench-kernels: build
 	@mkdir -p $(OUT)
 	$(PY) -m ashl.bench kernels --json $(OUT)/kernels.json
 
-# A Horovod script against its three-line ashl conversion, compute slowdowns 1,2,4, 3 repeats.
+# A Horovod script against its three-line ashl conversion, compute slowdowns 1,2,4 and
+# 1,1,1, GPU-like 20 ms steps, 3 repeats.
 bench-script: build
 	@mkdir -p $(OUT)/script
 	$(PY) -m ashl.bench script --json $(OUT)/script/script.json

@@ -1,11 +1,13 @@
 """``python -m ashl.emulate SCRIPT [ARGS...]``: run any training script, unchanged, with the
-per-rank compute slowdowns of ``ASHL_EMULATE_COMPUTE`` (e.g. ``1,2,4``) applied to its steps.
+per-rank compute slowdowns of ``ASHL_EMULATE_COMPUTE`` (e.g. ``1,2,4``) applied to its steps
+(and the GPU-like step time of ``ASHL_EMULATE_STEP_TIME``, if set).
 
 ashl's strategies read that variable themselves; this runner gives the same emulated cluster
 to a script that does not use ashl, such as the plain Horovod script a benchmark compares
-ashl with. On a rank with factor f every training step takes about f times its real compute:
-before each backward pass the rank sleeps (f - 1) times its previous step's compute (from
-the end of one optimizer step to the end of the next backward pass). The sleep comes before
+ashl with. On a rank with factor f every training step takes about f times its real compute
+(f x the step time, when one is set): before each backward pass the rank sleeps what the
+previous step's compute (from the end of one optimizer step to the end of the next backward
+pass) left of that, as ashl's ComputeSlowdown reckons it. The sleep comes before
 the backward pass, so gradients are ready as late as a slower GPU's would be (Horovod starts
 its allreduces during backward).
 """
@@ -18,7 +20,7 @@ import time
 
 import torch
 
-from .emulation import compute_factor_from_env
+from .emulation import ComputeSlowdown, compute_factor_from_env, step_time_from_env
 
 _RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID")
 
@@ -31,16 +33,18 @@ def launcher_rank() -> int:
 
 
 class SlowSteps:
-    """Stretches every step of this process by `factor` (installed by ``install``)."""
+    """Stretches every step of this process as `slowdown` says (installed by ``install``)."""
 
-    def __init__(self, factor: float, clock=time.perf_counter, sleep=time.sleep):
-        self.factor, self.clock, self.sleep = factor, clock, sleep
+    def __init__(self, slowdown: ComputeSlowdown, clock=time.perf_counter, sleep=time.sleep):
+        self.slowdown, self.clock, self.sleep = slowdown, clock, sleep
         self.step_end = clock()
-        self.last_compute = 0.0
+        self.last_compute: float | None = None
 
     def before_backward(self) -> float:
         """Sleep for the previous step's stretch; returns the seconds slept."""
-        extra = (self.factor - 1.0) * self.last_compute
+        if self.last_compute is None:
+            return 0.0                         # the first step: nothing measured yet
+        extra = self.slowdown.extra(self.last_compute)
         if extra > 0:
             self.sleep(extra)
         return extra
@@ -71,9 +75,10 @@ def main(argv=None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip().splitlines()[0])
         return 0 if argv else 2
-    factor = compute_factor_from_env(launcher_rank())
-    if factor != 1.0:
-        SlowSteps(factor).install()
+    slowdown = ComputeSlowdown(compute_factor_from_env(launcher_rank()),
+                               step_s=step_time_from_env())
+    if slowdown.active:
+        SlowSteps(slowdown).install()
     sys.argv = list(argv)
     sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))   # as `python SCRIPT` does
     runpy.run_path(argv[0], run_name="__main__")

@@ -6,7 +6,11 @@ delays sit on the message itself: a sender's message departs late, a receiver ho
 reply until its arrival time (send time + delay on the host-wide monotonic clock).
 
 ComputeSlowdown makes a step take `factor` times its real duration: after the real
-work it sleeps (factor - 1) * elapsed. The factor may be changed mid-run (drift tests).
+work it sleeps (factor - 1) * elapsed. With a step time S (ASHL_EMULATE_STEP_TIME) a step
+lasts factor x S instead, the real forward/backward inside it: a GPU's step, with its host
+CPU idle, so many ranks can share a few cores; a step whose real compute exceeds the budget
+is counted as an overrun (an overloaded machine must not pass for an emulated cluster).
+The factor may be changed mid-run (drift tests).
 A sleep that overshoots (a loaded machine wakes sleepers late) is paid back from the
 next step's sleep, so the average step is factor x its real time even under load.
 """
@@ -19,10 +23,12 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
-__all__ = ["ComputeSlowdown", "factors_from_string", "compute_factor_from_env", "Link",
+__all__ = ["ComputeSlowdown", "factors_from_string", "compute_factor_from_env",
+           "step_time_from_env", "Link",
            "DEFAULT_LINK", "Heterogeneity", "sleep_until"]
 
 ENV_COMPUTE = "ASHL_EMULATE_COMPUTE"
+ENV_STEP_TIME = "ASHL_EMULATE_STEP_TIME"   # seconds: a factor-1 rank's step, GPU-like
 
 
 def _check_factor(factor: float) -> float:
@@ -32,19 +38,57 @@ def _check_factor(factor: float) -> float:
     return float(factor)
 
 
+def _check_step_time(step_s: Optional[float]) -> Optional[float]:
+    if step_s is None:
+        return None
+    if (not isinstance(step_s, (int, float)) or isinstance(step_s, bool)
+            or not math.isfinite(step_s) or step_s <= 0):
+        raise ValueError(f"emulated step time must be a finite number of seconds > 0, "
+                         f"got {step_s!r}")
+    return float(step_s)
+
+
+def step_time_from_env() -> Optional[float]:
+    """ASHL_EMULATE_STEP_TIME in seconds, or None when unset."""
+    text = os.environ.get(ENV_STEP_TIME, "").strip()
+    if not text:
+        return None
+    try:
+        return _check_step_time(float(text))
+    except ValueError as exc:
+        raise ValueError(f"{ENV_STEP_TIME}={text!r}: {exc}") from None
+
+
 class ComputeSlowdown:
     """`with slowdown: real_step()` -> the block takes `factor` times as long."""
 
     def __init__(self, factor: float = 1.0, clock: Callable[[], float] = time.perf_counter,
-                 sleep: Callable[[float], None] = time.sleep):
+                 sleep: Callable[[float], None] = time.sleep, step_s: Optional[float] = None):
         self._factor = _check_factor(factor)
+        self.step_s = _check_step_time(step_s)
         self.clock, self.sleep = clock, sleep
         self._start: float | None = None
         self._carry = 0.0          # <= 0: oversleep still to be paid back
+        self.steps = 0
+        self.overruns = 0          # steps whose real compute exceeded factor x step_s
 
     @property
     def factor(self) -> float:
         return self._factor
+
+    @property
+    def active(self) -> bool:
+        return self._factor != 1.0 or self.step_s is not None
+
+    def extra(self, elapsed: float) -> float:
+        """The seconds to sleep after a step of `elapsed` real seconds."""
+        self.steps += 1
+        if self.step_s is None:
+            return (self._factor - 1) * elapsed
+        budget = self._factor * self.step_s
+        if elapsed > budget + 1e-6:          # beyond the clock's rounding
+            self.overruns += 1
+        return max(0.0, budget - elapsed)
 
     @factor.setter
     def factor(self, value: float) -> None:
@@ -61,8 +105,7 @@ class ComputeSlowdown:
     def stretch(self, since: float) -> None:
         """Sleep so that the span from `since` (a reading of `clock`) to now takes `factor`
         times as long."""
-        elapsed = self.clock() - since
-        extra = (self._factor - 1) * elapsed
+        extra = self.extra(self.clock() - since)
         if extra <= 0:
             return
         owed = extra + self._carry
@@ -130,16 +173,25 @@ DEFAULT_LINK = Link(5e-4, 125e6)
 @dataclass(frozen=True)
 class Heterogeneity:
     """What one rank emulates: each local step takes compute_factor times its real time;
-    every message it sends or receives is delayed by `link` (None: the real network only)."""
+    every message it sends or receives is delayed by `link` (None: the real network only);
+    with `step_s` a step lasts compute_factor x step_s of wall time instead."""
     compute_factor: float = 1.0
     link: Optional[Link] = None
+    step_s: Optional[float] = None
 
     def __post_init__(self):
         _check_factor(self.compute_factor)
+        _check_step_time(self.step_s)
 
     @property
     def active(self) -> bool:
-        return self.compute_factor != 1.0 or self.link is not None
+        return self.compute_factor != 1.0 or self.link is not None or self.step_s is not None
+
+    def slowdown(self) -> Optional[ComputeSlowdown]:
+        """This rank's step stretcher, or None when its steps run at their real speed."""
+        if self.compute_factor == 1.0 and self.step_s is None:
+            return None
+        return ComputeSlowdown(self.compute_factor, step_s=self.step_s)
 
     def link_delay(self, nbytes: int) -> float:
         return 0.0 if self.link is None else self.link.delay(nbytes)
@@ -158,19 +210,20 @@ class Heterogeneity:
 
     @classmethod
     def for_rank(cls, rank: int, compute: Sequence[float] = (), link: Sequence[float] = (),
-                 base: Link = DEFAULT_LINK) -> "Heterogeneity":
+                 base: Link = DEFAULT_LINK, step_s: Optional[float] = None) -> "Heterogeneity":
         """Rank `rank`'s share of per-rank factor lists (a missing rank gets factor 1; an
         empty link list means no link emulation)."""
         c = _check_factor(compute[rank]) if rank < len(compute) else 1.0
         if not link:
-            return cls(c, None)
+            return cls(c, None, step_s)
         f = _check_factor(link[rank]) if rank < len(link) else 1.0
-        return cls(c, base.slowed(f))
+        return cls(c, base.slowed(f), step_s)
 
     @classmethod
     def from_env(cls, rank: int) -> "Heterogeneity":
-        """From ASHL_EMULATE_COMPUTE / ASHL_EMULATE_LINK / ASHL_EMULATE_LINK_BASE, so a
-        benchmark can slow any script's ranks without touching it."""
+        """From ASHL_EMULATE_COMPUTE / ASHL_EMULATE_LINK / ASHL_EMULATE_LINK_BASE /
+        ASHL_EMULATE_STEP_TIME, so a benchmark can slow any script's ranks without touching
+        it."""
         compute = factors_from_string(os.environ.get(ENV_COMPUTE, ""))
         link = factors_from_string(os.environ.get(ENV_LINK, ""))
         base = DEFAULT_LINK
@@ -181,7 +234,7 @@ class Heterogeneity:
             except ValueError:
                 raise ValueError(f"{ENV_LINK_BASE}={text!r}: expected 'LATENCY_S,BYTES_PER_S'") from None
             base = Link(latency, bw)
-        return cls.for_rank(rank, compute, link, base)
+        return cls.for_rank(rank, compute, link, base, step_time_from_env())
 
 
 def sleep_until(deadline: float, clock: Callable[[], float] = time.monotonic) -> float:

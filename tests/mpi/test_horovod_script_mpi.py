@@ -1,7 +1,7 @@
 """A user's Horovod script, converted by exactly three changed lines (ashl.convert), under
 mpirun and horovodrun: no finish() call, no budget, Horovod's keywords, hvd.allreduce'd
-metrics. It exits 0, and reaches the unchanged Horovod script's accuracy (within 3 points in
-one run here; the benchmark's median is within 2).
+metrics. It exits 0, reaches the unchanged Horovod script's accuracy within 2 points within
+the 20 epochs, and ends within 3 of it (one asynchronous run on a busy 2-core machine).
 A rank that raises mid-epoch ends the job at once, naming the rank (no hang, no segfault)."""
 import subprocess
 import sys
@@ -9,6 +9,7 @@ from pathlib import Path
 
 
 import _util  # noqa: E402
+from ashl.bench.script import _TEST_LINE
 from ashl.convert import convert
 
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "horovod_digits.py"
@@ -30,9 +31,12 @@ def test_ashl_reaches_horovods_accuracy_and_exits_cleanly(tmp_path):
     proc = _util.mpirun(3, converted(tmp_path), "--epochs", EPOCHS,
                         "--result", tmp_path / "ashl.txt", timeout=300)
     assert "Segmentation fault" not in proc.stdout + proc.stderr
-    # One asynchronous run on a busy 2-core machine: within 3 points here (the old merge was
-    # 6 points short); the median over repeats is within 2 (make bench-script, BENCHMARKS.md).
-    assert abs(accuracy(tmp_path / "ashl.txt") - accuracy(tmp_path / "hvd.txt")) <= 0.03
+    horovod = accuracy(tmp_path / "hvd.txt")
+    epochs = [float(m.group(2)) / 100 for m in _TEST_LINE.finditer(proc.stdout)]
+    assert len(epochs) == int(EPOCHS)                 # the script's own test() every epoch
+    assert max(epochs) >= horovod - 0.02, (epochs, horovod)   # the old merge: 6 points short
+    final = accuracy(tmp_path / "ashl.txt")
+    assert abs(final - horovod) <= 0.03, (final, epochs, horovod)
 
 
 def test_the_converted_script_under_horovodrun(tmp_path):

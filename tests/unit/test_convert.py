@@ -9,6 +9,7 @@ from hypothesis import given, strategies as st
 from ashl.bench.script import spread, summarize, time_to
 from ashl.convert import ConversionError, convert
 from ashl.emulate import SlowSteps
+from ashl.emulation import ComputeSlowdown
 
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "horovod_digits.py"
 
@@ -60,7 +61,7 @@ class FakeTime:
 @given(st.floats(1.0, 8.0), st.lists(st.floats(0.001, 0.1), min_size=2, max_size=20))
 def test_every_step_is_stretched_by_the_factor_of_the_previous_ones_compute(factor, computes):
     t = FakeTime()
-    steps = SlowSteps(factor, clock=t.clock, sleep=t.sleep)
+    steps = SlowSteps(ComputeSlowdown(factor), clock=t.clock, sleep=t.sleep)
     for i, c in enumerate(computes):
         start = t.t
         slept = steps.before_backward()
@@ -69,6 +70,22 @@ def test_every_step_is_stretched_by_the_factor_of_the_previous_ones_compute(fact
         steps.after_step()
         assert slept == pytest.approx((factor - 1) * (computes[i - 1] if i else 0.0))
         assert steps.last_compute == pytest.approx(c) and t.t - start == pytest.approx(c + slept)
+
+
+def test_a_step_time_gives_the_unchanged_script_gpu_like_steps():
+    t = FakeTime()
+    steps = SlowSteps(ComputeSlowdown(2.0, step_s=0.05), clock=t.clock, sleep=t.sleep)
+    durations = []
+    for c in (0.01, 0.03, 0.2, 0.01):
+        start = t.t
+        slept = steps.before_backward()
+        t.t += c
+        steps.after_backward(slept)
+        steps.after_step()
+        durations.append(t.t - start)
+    # each step sleeps what the previous one's compute left of 2 x 50 ms; an overrun none
+    assert durations == pytest.approx([0.01, 0.03 + 0.09, 0.2 + 0.07, 0.01])
+    assert steps.slowdown.overruns == 1
 
 
 def test_time_to_target_spread_and_the_ratio_per_repeat():

@@ -3,10 +3,11 @@
 import time
 
 import pytest
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from ashl.emulation import ComputeSlowdown, compute_factor_from_env, factors_from_string
+from ashl.emulation import (ComputeSlowdown, Heterogeneity, compute_factor_from_env,
+                            factors_from_string, step_time_from_env)
 from ashl.profiler import RankProfiler, StepTimer, measure_round_trip, summarize
 
 
@@ -134,3 +135,35 @@ def test_factor_parsing(monkeypatch):
         factors_from_string("1,x")
     monkeypatch.setenv("ASHL_EMULATE_COMPUTE", "1,2")
     assert compute_factor_from_env(1) == 2.0 and compute_factor_from_env(5) == 1.0
+
+
+@given(st.floats(1.0, 8.0), st.floats(0.001, 0.1),
+       st.lists(st.floats(0.0, 0.5), min_size=1, max_size=20))
+def test_a_step_time_makes_every_step_last_factor_times_it_or_counts_an_overrun(
+        factor, step_s, computes):
+    clock = FakeClock()
+    slow = ComputeSlowdown(factor, clock=clock, sleep=clock.sleep, step_s=step_s)
+    budget = factor * step_s
+    assume(all(abs(c - budget) > 1e-5 for c in computes))
+    for c in computes:
+        start = clock.t
+        with slow:
+            clock.sleep(c)                      # the real forward/backward
+        assert clock.t - start == pytest.approx(max(c, budget))
+    assert slow.steps == len(computes)
+    assert slow.overruns == sum(c > budget for c in computes)
+
+
+def test_step_time_from_the_environment(monkeypatch):
+    monkeypatch.delenv("ASHL_EMULATE_STEP_TIME", raising=False)
+    assert step_time_from_env() is None
+    assert Heterogeneity.from_env(0).slowdown() is None           # real speed: no stretcher
+    monkeypatch.setenv("ASHL_EMULATE_STEP_TIME", "0.02")
+    monkeypatch.setenv("ASHL_EMULATE_COMPUTE", "1,4")
+    slow = Heterogeneity.from_env(1).slowdown()
+    assert (slow.factor, slow.step_s, slow.active) == (4.0, 0.02, True)
+    assert Heterogeneity.from_env(0).slowdown().step_s == 0.02    # factor 1 still emulated
+    for bad in ("0", "-1", "nan", "fast"):
+        monkeypatch.setenv("ASHL_EMULATE_STEP_TIME", bad)
+        with pytest.raises(ValueError, match="ASHL_EMULATE_STEP_TIME"):
+            step_time_from_env()

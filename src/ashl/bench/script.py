@@ -3,7 +3,9 @@ conversion, on the same emulated cluster.
 
 Each repeat launches ``mpirun -np R`` twice, side by side in time: the unchanged Horovod script
 (through ``python -m ashl.emulate``, which applies the compute slowdowns to any script) and
-``ashl.convert``'s conversion of it (ashl reads the same ``ASHL_EMULATE_COMPUTE``). The
+``ashl.convert``'s conversion of it (ashl reads the same ``ASHL_EMULATE_COMPUTE`` and
+``ASHL_EMULATE_STEP_TIME``: with ``--step-time S`` a rank's step lasts its factor x S, the
+real forward/backward inside it, as on a GPU whose host CPU is idle). The
 script's own per-epoch lines ``Test set: Average loss: L, Accuracy: A%`` (rank 0, averaged over
 the ranks with ``hvd.allreduce``) are timestamped as they arrive. Reported, as medians over
 the repeats with min-max: final accuracy, wall time (launch to exit, start-up included),
@@ -37,6 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks", type=int, default=3)
     p.add_argument("--compute-slowdown", default="1,2,4", metavar="F0,F1,...",
                    help="per-rank compute slowdowns (ASHL_EMULATE_COMPUTE); 1 = homogeneous")
+    p.add_argument("--step-time", type=float, default=0.02, metavar="S",
+                   help="a factor-1 rank's emulated step in seconds (ASHL_EMULATE_STEP_TIME); "
+                        "0: the real compute, stretched by the factors")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--band", type=float, default=0.02,
                    help="the target is Horovod's median final accuracy less this")
@@ -47,13 +52,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def launch(script: str, ranks: int, factors: Sequence[float], args: Sequence[str],
-           via_emulate: bool, timeout: float) -> dict:
+           via_emulate: bool, timeout: float, step_s: float = 0.0) -> dict:
     """One mpirun of `script`; its test accuracy per epoch, timestamped, and its wall time."""
     env = _mpi_env()
     env["ASHL_EMULATE_COMPUTE"] = ",".join(f"{f:g}" for f in factors)
+    env["ASHL_EMULATE_STEP_TIME"] = f"{step_s:g}" if step_s > 0 else ""
     runner = ["-m", "ashl.emulate"] if via_emulate else []
     cmd = ["mpirun", "-np", str(ranks), "--oversubscribe", "--bind-to", "none",
            "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS", "-x", "ASHL_EMULATE_COMPUTE",
+           "-x", "ASHL_EMULATE_STEP_TIME",
            sys.executable, *runner, script, *args]
     t0 = time.monotonic()
     curve, tail = [], []
@@ -132,6 +139,9 @@ def run(args) -> int:
     if args.ranks < 1 or args.repeats < 1:
         print("ashl.bench script: error: --ranks and --repeats must be >= 1", file=sys.stderr)
         return 2
+    if not args.step_time >= 0:
+        print("ashl.bench script: error: --step-time must be >= 0 s", file=sys.stderr)
+        return 2
     out_dir = os.path.dirname(os.path.abspath(args.json))
     os.makedirs(out_dir, exist_ok=True)
     converted = os.path.join(out_dir, "ashl_" + os.path.basename(args.script))
@@ -141,7 +151,8 @@ def run(args) -> int:
     runs = {"horovod": [], "ashl": []}
     for i in range(args.repeats):
         for side, script in (("horovod", args.script), ("ashl", converted)):
-            r = launch(script, args.ranks, factors, extra, side == "horovod", args.timeout)
+            r = launch(script, args.ranks, factors, extra, side == "horovod", args.timeout,
+                       args.step_time)
             runs[side].append(r)
             print(f"  repeat {i + 1} {side:8s} rc {r['rc']}, final accuracy "
                   f"{r['final_accuracy']}, wall {r['wall_s']:.1f} s", flush=True)
@@ -150,7 +161,8 @@ def run(args) -> int:
     summary = summarize(runs, args.band)
     with open(args.json, "w") as f:
         json.dump({"scenario": {"script": args.script, "ranks": args.ranks,
-                                "compute_slowdown": factors, "repeats": args.repeats,
+                                "compute_slowdown": factors, "step_time_s": args.step_time,
+                                "repeats": args.repeats,
                                 "band": args.band, "script_args": extra},
                    "summary": summary, "runs": runs}, f, indent=1)
     print(table(summary))

@@ -57,7 +57,7 @@ class StepClock:
 
     def step_done(self, slowdown: Optional[ComputeSlowdown] = None) -> float:
         """The step that just ended; an emulated slowdown stretches it first."""
-        if slowdown is not None and slowdown.factor != 1.0:
+        if slowdown is not None and slowdown.active:
             slowdown.stretch(self.last_end)
         now = time.perf_counter()
         dt = now - self.last_end
@@ -166,8 +166,7 @@ class Strategy:
         # Emulated hardware (tests, benchmarks): explicit, else ASHL_EMULATE_* variables.
         self.hetero = (heterogeneity if heterogeneity is not None
                        else Heterogeneity.from_env(self.rank))
-        self.slowdown = (ComputeSlowdown(self.hetero.compute_factor)
-                         if self.hetero.compute_factor != 1.0 else None)
+        self.slowdown = self.hetero.slowdown()
         if hasattr(sampler, "on_iteration"):
             # An evaluation between epochs, or waiting there for the other ranks, is not a
             # step's compute: the plan would take this rank for a slow one.
@@ -238,7 +237,10 @@ class Strategy:
                 "eval_s": self.evaluations.spent_s, "bytes_sent": self.bytes_sent,
                 "rejected": self.rejected, "stop_reason": self.stop_reason,
                 "global_commits": self.global_commits, "left_early": self.left_early,
-                "last_accuracy": self.evaluations.last_accuracy}
+                "last_accuracy": self.evaluations.last_accuracy,
+                "emulation": None if self.slowdown is None else {
+                    "factor": self.slowdown.factor, "step_s": self.slowdown.step_s,
+                    "steps": self.slowdown.steps, "overruns": self.slowdown.overruns}}
 
     def set_epoch(self, epoch: int) -> None:
         """The training epoch, reported with commits (as a sampler is told)."""
