@@ -253,7 +253,9 @@ void pack_delta(const TensorList& params, const TensorList& anchors, const Tenso
   dispatch_float<HostStorage>(params.dtype, "params", out.dtype, "out", [&](auto pt, auto ft) {
     using P = typename decltype(pt)::type;
     using F = typename decltype(ft)::type;
-    const std::array o{slices<F>(out, offsets, streams(params.numels, out.dtype))};
+    // Never streamed: the packed delta is read again at once (compression, the send), and
+    // streaming it measured 0.75-0.85x torch.sub against 0.86-0.94x written normally.
+    const std::array o{slices<F>(out, offsets)};
     if (residuals)
       map(params.numels, ops::DeltaResidual{scale}, o, list<P>(params), list<P>(anchors),
           list<P>(*residuals));
