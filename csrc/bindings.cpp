@@ -6,6 +6,7 @@
 #include <pybind11/stl.h>
 
 #include "ashl/kernels.h"
+#include "cpu/halves.h"
 
 namespace py = pybind11;
 using ashl::CudaContext;
@@ -80,6 +81,9 @@ PYBIND11_MODULE(_C, m) {
   }, nogil);
   cpu.def("max_threads", &ashl::cpu::max_threads);
   cpu.def("set_num_threads", &ashl::cpu::set_num_threads);
+  cpu.def("isa", &ashl::cpu::isa, "the instruction set of the fp16/bf16 conversions in use");
+  cpu.def("set_isa", &ashl::cpu::set_isa, py::arg("name"));
+  cpu.def("supported_isas", &ashl::cpu::supported_isas);
 
   auto cuda = m.def_submodule("cuda", "multi-tensor CUDA kernels (one launch, many tensors)");
   cuda.def("available", &ashl::cuda::available);

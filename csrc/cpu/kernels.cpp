@@ -21,6 +21,9 @@ namespace {
 constexpr int64_t kChunk = 32768;
 // fp32 accumulation blocks: small enough for L1.
 constexpr int64_t kBlock = 2048;
+// Blocks of an op with 16-bit operands: each operand widened into its own
+// fp32 block, all of them in L1 together.
+constexpr int64_t kHalfBlock = 1024;
 // Outputs at least this large are written with streaming stores (they cannot
 // stay in a cache of a few tens of MiB anyway).
 constexpr int64_t kStreamBytes = int64_t(16) << 20;
@@ -105,26 +108,46 @@ __attribute__((always_inline)) inline void store_outputs(const std::array<Operan
   (store_block(outs[k].at(t) + bb, buf, m, outs[k].stream), ...);
 }
 
+// Elements [b, e) of one tensor with a 16-bit operand: each 16-bit input
+// widened into an fp32 block (halves(): vectorised for this CPU), the op over
+// the fp32 blocks, every output narrowed (or copied) out of the result block.
+template <class Op, class O, size_t NOut, class... I, size_t... k>
+void map_chunk_halves(const Op& op, const std::array<Operand<O>, NOut>& outs, int32_t t,
+                      int64_t b, int64_t e, std::index_sequence<k...>, const I*... x) {
+  float in[sizeof...(I)][kHalfBlock];
+  float buf[kHalfBlock];
+  for (int64_t bb = b; bb < e; bb += kHalfBlock) {
+    const int64_t m = std::min(kHalfBlock, e - bb);
+    const std::array<const float*, sizeof...(I)> v{fp32_block(x, bb, m, in[k])...};
+#pragma omp simd
+    for (int64_t j = 0; j < m; ++j) buf[j] = op(v[k][j]...);
+    store_outputs(outs, t, bb, buf, m, std::make_index_sequence<NOut>{});
+  }
+}
+
 // Elements [b, e) of one tensor: the op over the inputs x..., one
 // L1-resident fp32 block at a time, then every output gets the same block. A
-// single fp32/bf16 output written normally skips the block: through it, the
-// in-place merge_dense measured 1.45x slower. (fp16 keeps the block for
-// store_block's vectorised narrowing.)
+// single fp32 output written normally skips the block: through it, the
+// in-place merge_dense measured 1.45x slower.
 template <class Op, class O, size_t NOut, class... I>
 void map_chunk(const Op& op, const std::array<Operand<O>, NOut>& outs, int32_t t, int64_t b,
                int64_t e, const I*... x) {
-  if (NOut == 1 && !std::is_same_v<O, F16> && !outs[0].stream) {
-    O* o = outs[0].at(t);
+  if constexpr (is_half<O> || (is_half<I> || ...)) {
+    map_chunk_halves(op, outs, t, b, e, std::index_sequence_for<I...>{}, x...);
+  } else {
+    if (NOut == 1 && !outs[0].stream) {
+      O* o = outs[0].at(t);
 #pragma omp simd
-    for (int64_t j = b; j < e; ++j) store(o, j, op(load(x, j)...));
-    return;
-  }
-  float buf[kBlock];
-  for (int64_t bb = b; bb < e; bb += kBlock) {
-    const int64_t m = std::min(kBlock, e - bb);
+      for (int64_t j = b; j < e; ++j) store(o, j, op(load(x, j)...));
+      return;
+    }
+    float buf[kBlock];
+    for (int64_t bb = b; bb < e; bb += kBlock) {
+      const int64_t m = std::min(kBlock, e - bb);
 #pragma omp simd
-    for (int64_t j = 0; j < m; ++j) buf[j] = op(load(x, bb + j)...);
-    store_outputs(outs, t, bb, buf, m, std::make_index_sequence<NOut>{});
+      for (int64_t j = 0; j < m; ++j) buf[j] = op(load(x, bb + j)...);
+      store_outputs(outs, t, bb, buf, m, std::make_index_sequence<NOut>{});
+    }
   }
 }
 
@@ -150,28 +173,27 @@ bool streams(const std::vector<int64_t>& numels, DType out) {
 
 // acc (=|+=) sum_i w[i] * x[i] for a group of 1 to 4 inputs, summed left to
 // right exactly as one-input-at-a-time would (same result, fewer passes).
-template <int G, class I>
-void accumulate_fixed(float* acc, const I* const* x, const float* w, bool first, int64_t m) {
+template <int G>
+void accumulate_fixed(float* acc, const float* const* x, const float* w, bool first, int64_t m) {
   if (first) {
 #pragma omp simd
     for (int64_t j = 0; j < m; ++j) {
-      float a = ops::AddScaled{w[0]}.term(load(x[0], j));
-      for (int i = 1; i < G; ++i) a = ops::AddScaled{w[i]}(a, load(x[i], j));
+      float a = ops::AddScaled{w[0]}.term(x[0][j]);
+      for (int i = 1; i < G; ++i) a = ops::AddScaled{w[i]}(a, x[i][j]);
       acc[j] = a;
     }
   } else {
 #pragma omp simd
     for (int64_t j = 0; j < m; ++j) {
       float a = acc[j];
-      for (int i = 0; i < G; ++i) a = ops::AddScaled{w[i]}(a, load(x[i], j));
+      for (int i = 0; i < G; ++i) a = ops::AddScaled{w[i]}(a, x[i][j]);
       acc[j] = a;
     }
   }
 }
 
-template <class I>
-void accumulate_group(float* acc, const I* const* x, const float* w, size_t g, bool first,
-                      int64_t m) {
+inline void accumulate_group(float* acc, const float* const* x, const float* w, size_t g,
+                             bool first, int64_t m) {
   switch (g) {
     case 1: accumulate_fixed<1>(acc, x, w, first, m); break;
     case 2: accumulate_fixed<2>(acc, x, w, first, m); break;
@@ -184,17 +206,22 @@ void accumulate_group(float* acc, const I* const* x, const float* w, size_t g, b
 // cache-resident fp32 block, up to four inputs per pass: fewer passes over acc,
 // and few enough concurrent streams for the hardware prefetchers (one input at
 // a time fell off a cliff at K=4).
+// 16-bit inputs are widened into fp32 blocks first (halves()).
 template <class O, class I>
 void weighted_sum_chunk(O* o, const std::vector<TensorList>& inputs, const float* w, int32_t t,
                         int64_t b, int64_t e, bool stream) {
+  constexpr int64_t B = is_half<I> ? kHalfBlock : kBlock;
   const size_t K = inputs.size();
-  float acc[kBlock];
-  for (int64_t bb = b; bb < e; bb += kBlock) {
-    const int64_t m = std::min(kBlock, e - bb);
+  float acc[B];
+  float in[is_half<I> ? 4 : 1][B];
+  for (int64_t bb = b; bb < e; bb += B) {
+    const int64_t m = std::min(B, e - bb);
     for (size_t k = 0; k < K; k += 4) {
-      const I* x[4];
+      const float* x[4];
       const size_t g = std::min<size_t>(4, K - k);
-      for (size_t i = 0; i < g; ++i) x[i] = static_cast<const I*>(inputs[k + i].ptrs[t]) + bb;
+      for (size_t i = 0; i < g; ++i)
+        x[i] = fp32_block(static_cast<const I*>(inputs[k + i].ptrs[t]), bb, m,
+                          in[is_half<I> ? i : 0]);
       accumulate_group(acc, x, w + k, g, k == 0, m);
     }
     store_block(o + bb, acc, m, stream);
@@ -351,35 +378,5 @@ void set_num_threads(int n) {
   omp_set_num_threads(n);
 #endif
 }
-
-#if !defined(__FLT16_MAX__)
-float half_to_float(uint16_t h) {
-  const uint32_t sign = uint32_t(h & 0x8000u) << 16;
-  uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
-  if (exp == 0x1f) return bits_f32(sign | 0x7f800000u | (man << 13));
-  if (exp == 0) {
-    if (man == 0) return bits_f32(sign);
-    // Subnormal half: renormalise.
-    exp = 127 - 15 + 1;
-    while (!(man & 0x400u)) { man <<= 1; --exp; }
-    man &= 0x3ffu;
-    return bits_f32(sign | (exp << 23) | (man << 13));
-  }
-  return bits_f32(sign | ((exp + 127 - 15) << 23) | (man << 13));
-}
-uint16_t float_to_half(float f) {
-  const uint32_t u = f32_bits(f);
-  const uint16_t sign = uint16_t((u >> 16) & 0x8000u);
-  const uint32_t a = u & 0x7fffffffu;
-  if (a > 0x7f800000u) return sign | 0x7e00u;
-  if (a >= 0x477ff000u) return sign | 0x7c00u;  // rounds to >= 65520: Inf
-  if (a < 0x38800000u) {                         // subnormal or zero in half
-    const float scaled = bits_f32(a) * 16777216.0f;  // * 2^24: exact
-    return sign | uint16_t(static_cast<uint32_t>(__builtin_rintf(scaled)));
-  }
-  const uint32_t r = a + 0xfffu + ((a >> 13) & 1u) - ((127u - 15u) << 23);
-  return sign | uint16_t(r >> 13);
-}
-#endif
 
 }  // namespace ashl::cpu

@@ -26,6 +26,9 @@ __all__ = [
     "pack_delta", "unpack_assign", "unpack_add", "merge_dense", "merge_sparse",
     "weighted_sum", "flat_numel", "flat_offsets", "cuda_available", "set_num_threads",
     "num_threads",
+    "cpu_isa",
+    "set_cpu_isa",
+    "supported_cpu_isas",
 ]
 
 
@@ -41,6 +44,23 @@ def num_threads() -> int:
 def set_num_threads(n: int) -> None:
     """Threads used by the CPU kernels (default: OpenMP's, i.e. OMP_NUM_THREADS or all cores)."""
     _C.cpu.set_num_threads(int(n))
+
+
+def cpu_isa() -> str:
+    """The instruction set of the CPU kernels' fp16/bf16 conversions: ``avx512``, ``f16c`` or
+    ``portable`` (the best this CPU supports unless set_cpu_isa chose)."""
+    return _C.cpu.isa()
+
+
+def set_cpu_isa(name: str) -> None:
+    """Force the fp16/bf16 conversion path (``auto`` restores the best supported); for tests
+    and benchmarks. Every path gives the same bits."""
+    _C.cpu.set_isa(str(name))
+
+
+def supported_cpu_isas() -> list[str]:
+    """The paths this CPU can run, best first (``portable`` is always there)."""
+    return _C.cpu.supported_isas().split(", ")
 
 
 def flat_numel(tensors: TensorOrList) -> int:

@@ -38,7 +38,7 @@ def check_plan(result):
     assert ranks[0]["accuracy"] >= 0.9
     ahl = ranks[0]["plan"]["stages"]["AHL"]["local_steps"]
     shl = ranks[0]["plan"]["stages"]["SHL"]["local_steps"]
-    assert ahl[SLOW_HOST] == 8, ahl                                  # k_AHL for the bottleneck
+    assert 1 <= ahl[SLOW_HOST] <= 8, ahl           # the bottleneck: at most k_AHL (comm budget)
     assert all(h > ahl[SLOW_HOST] for i, h in enumerate(ahl) if i != SLOW_HOST), ahl
     assert shl[SLOW_HOST] == min(shl), shl
     # what the plan assumed: the shaped host's transfers are the slowest of all

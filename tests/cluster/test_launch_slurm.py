@@ -32,7 +32,8 @@ def check_training(result, np_, target):
     assert ranks[0]["accuracy"] >= target
     assert "target accuracy" in result["events"][-1]["reason"]
     ahl = ranks[0]["plan"]["stages"]["AHL"]["local_steps"]
-    assert len(ahl) == np_ and min(ahl) == 8, ahl   # k_AHL: the bottleneck does 8
+    # the bottleneck's steps come from what a commit costs here (the comm budget), at most k_AHL
+    assert len(ahl) == np_ and 1 <= min(ahl) <= 8, ahl
     return ahl
 
 

@@ -2,11 +2,11 @@
 // runs serially on the host over host memory (ops, block mapping, tails,
 // misaligned views, batching across launches, flags, validation). The CPU back
 // end is linked in too, and both drivers of ashl/ops.h must give the same bits.
-// Not part of the library build; tests/test_cuda_emulation.py builds and runs
+// Not part of the library build; tests/unit/test_cuda_emulation.py builds and runs
 // it. By hand, from the repository root:
 //   nvcc -std=c++17 -O2 -diag-suppress 20011 -Xcompiler -ffp-contract=off \
 //        -Icsrc/include -Icsrc/cuda tests/native/cuda_emulate_test.cu csrc/common.cpp \
-//        csrc/cpu/kernels.cpp -o /tmp/emulate_test && /tmp/emulate_test
+//        csrc/cpu/kernels.cpp csrc/cpu/halves.cpp -o /tmp/emulate_test && /tmp/emulate_test
 #define ASHL_CUDA_EMULATE 1
 #include "kernels.cu"
 

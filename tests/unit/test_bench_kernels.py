@@ -10,11 +10,12 @@ import sys
 import pytest
 
 from ashl.bench import shapes
-from ashl.bench.kernels import LISTS, OPS
+from ashl.bench.kernels import BANDWIDTH_DRIFT, LISTS, OPS, bandwidth_drift, make_row
 
 CASE_KEYS = {"op": str, "tensors": str, "numel": int, "ashl_s": float,
              "foreach_s": (float, type(None)), "flat_s": float,
              "speedup_vs_foreach": (float, type(None)), "speedup_vs_flat": float,
+             "ashl_median_s": float, "flat_median_s": float, "speedup_vs_flat_median": float,
              "bandwidth_fraction": float}
 
 
@@ -48,7 +49,9 @@ def test_kernels_quick_json(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "x foreach" in r.stdout  # the table
     data = json.loads(path.read_text())
-    assert data["bandwidth_gbps"] > 0
+    assert data["bandwidth_gbps"] == max(data["bandwidth_before_gbps"], data["bandwidth_after_gbps"])
+    assert data["reliable"] == (data["bandwidth_drift"] <= BANDWIDTH_DRIFT)
+    assert ("UNRELIABLE" in r.stdout) == (not data["reliable"])
     assert isinstance(data["device"], str) and data["device"].startswith("cpu")
     assert isinstance(data["threads"], int) and data["threads"] >= 1
     cases = data["cases"]
@@ -61,6 +64,23 @@ def test_kernels_quick_json(tmp_path):
         if c["foreach_s"] is not None:
             assert c["speedup_vs_foreach"] == pytest.approx(c["foreach_s"] / c["ashl_s"])
         assert c["speedup_vs_flat"] == pytest.approx(c["flat_s"] / c["ashl_s"])
+        assert c["ashl_median_s"] >= c["ashl_s"] and c["flat_median_s"] >= c["flat_s"]
+
+
+def test_a_row_compares_minimums_and_reports_medians_beside_them():
+    class Case:
+        op, tensors, numel, bytes, notes = "pack_delta", "vgg16", 10, 1200, ""
+    row = make_row(Case, {"ashl": [3.0, 1.0, 2.0], "flat": [2.0, 4.0, 6.0], "foreach": [9.0]},
+                   bandwidth=1000.0, n_tensors=2)
+    assert (row["ashl_s"], row["ashl_median_s"], row["flat_median_s"]) == (1.0, 2.0, 4.0)
+    assert row["speedup_vs_flat"] == 2.0 and row["speedup_vs_flat_median"] == 2.0
+    assert row["bandwidth_fraction"] == pytest.approx(1.2)
+
+
+def test_bandwidth_readings_far_apart_are_flagged():
+    assert bandwidth_drift(50.0, 50.0) == 0.0
+    assert bandwidth_drift(50.0, 45.0) == pytest.approx(0.10)
+    assert bandwidth_drift(40.0, 50.0) == pytest.approx(0.2) and BANDWIDTH_DRIFT < 0.2
 
 
 def test_cuda_refused_without_gpu(tmp_path):

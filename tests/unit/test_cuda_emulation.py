@@ -21,7 +21,7 @@ def test_cuda_kernels_emulated_on_host(tmp_path):
         [nvcc, "-std=c++17", "-O2", "-diag-suppress", "20011", "-Xcompiler", "-ffp-contract=off",
          f"-I{ROOT/'csrc/include'}", f"-I{ROOT/'csrc/cuda'}",
          str(ROOT / "tests/native/cuda_emulate_test.cu"), str(ROOT / "csrc/common.cpp"),
-         str(ROOT / "csrc/cpu/kernels.cpp"), "-o", str(exe)],
+         str(ROOT / "csrc/cpu/kernels.cpp"), str(ROOT / "csrc/cpu/halves.cpp"), "-o", str(exe)],
         capture_output=True, text=True, timeout=600)
     assert build.returncode == 0, build.stderr
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)

@@ -1,5 +1,6 @@
 """ashl.kernels against plain-torch references: every dtype combination, sizes from 0 to
-millions, misaligned views, long tensor lists and hypothesis-drawn random lists.
+millions, misaligned views, long tensor lists and hypothesis-drawn random lists, under each
+fp16/bf16 conversion path of the CPU (AVX-512, F16C, portable: every test runs per path).
 
 The references compute in fp32 from the stored values and cast once at the end, as the kernels
 promise. A result must be bit-exact where the op is one rounding of the same fp32 expression
@@ -31,6 +32,14 @@ HYP = settings(max_examples=40, deadline=None,
                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
+
+
+@pytest.fixture(autouse=True, params=K.supported_cpu_isas())
+def cpu_isa(request):
+    """Every test once per fp16/bf16 conversion path this CPU has (the portable one always)."""
+    K.set_cpu_isa(request.param)
+    yield request.param
+    K.set_cpu_isa("auto")
 
 
 def per_tensor(dtype, shapes):

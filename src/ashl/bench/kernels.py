@@ -13,13 +13,14 @@ Every variant's result is checked against ashl's once per case, outside the time
 torch variants of ``merge_dense``/``merge_sparse`` include a NaN/Inf guard, as ashl's kernels
 do (foreach: ``_foreach_norm``; flat: ``aminmax``); sparse merging has no foreach form.
 
-Timing is min-of-N after warm-up, the variants interleaved round by round, with
-``torch.cuda.synchronize()`` around each call on CUDA. ``bytes`` is the least memory traffic the
+Timing is min-of-N after warm-up (the median beside it shows the noise), the variants
+interleaved round by round, with ``torch.cuda.synchronize()`` around each call on CUDA. ``bytes`` is the least memory traffic the
 op needs (every operand read once, every result written once; for the sparse merge the indices
 and values read, and every touched 64-byte line of ``dst`` read and written: a scatter moves
 whole cache lines), and ``bandwidth_fraction`` is
 ``bytes / ashl_s`` over the machine's copy bandwidth (best ``dst.copy_(src)`` of a large
-buffer, counting read + write, measured before and after the cases). A fraction above 1 is
+buffer, counting read + write, measured before and after the cases: the better reading is
+used, and readings more than 10% apart mark the run unreliable). A fraction above 1 is
 possible: a copy that writes through the cache also reads every destination line first (write
 allocate), which streaming stores avoid.
 """
@@ -30,6 +31,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -95,31 +97,41 @@ def _sync(device: torch.device) -> Callable[[], None]:
 
 
 def time_variants(fns: Dict[str, Callable[[], object]], repeat: int, warmup: int,
-                  device: torch.device) -> Dict[str, float]:
-    """Min-of-``repeat`` seconds per function; rounds interleave the functions so that a noisy
-    neighbour or frequency change hurts them all alike."""
+                  device: torch.device) -> Dict[str, List[float]]:
+    """``repeat`` timings in seconds per function; rounds interleave the functions so that a
+    noisy neighbour or frequency change hurts them all alike."""
     sync = _sync(device)
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     sync()
-    best = {name: math.inf for name in fns}
+    times: Dict[str, List[float]] = {name: [] for name in fns}
     for _ in range(repeat):
         for name, fn in fns.items():
             sync()
             t0 = time.perf_counter()
             fn()
             sync()
-            best[name] = min(best[name], time.perf_counter() - t0)
-    return best
+            times[name].append(time.perf_counter() - t0)
+    return times
 
 
 def copy_bandwidth(device: torch.device, numel: int, repeat: int = 5) -> float:
     """Best ``dst.copy_(src)`` bandwidth in bytes/s, counting the read and the write."""
     src = torch.empty(numel, dtype=torch.float32, device=device).uniform_()
     dst = torch.empty_like(src)
-    t = time_variants({"copy": lambda: dst.copy_(src)}, repeat, 2, device)["copy"]
+    t = min(time_variants({"copy": lambda: dst.copy_(src)}, repeat, 2, device)["copy"])
     return 2 * numel * 4 / t
+
+
+# The copy bandwidth measured before and after the cases may differ by this much before the
+# run is marked unreliable (a neighbour took the memory bus for part of it).
+BANDWIDTH_DRIFT = 0.10
+
+
+def bandwidth_drift(before: float, after: float) -> float:
+    """How far the two copy-bandwidth readings are apart, relative to the larger."""
+    return abs(before - after) / max(before, after)
 
 
 # --------------------------------------------------------------------------------------------
@@ -402,8 +414,8 @@ def run_benchmark(device: str = "cpu", repeat: Optional[int] = None, warmup: int
     repeat = repeat if repeat is not None else (3 if quick else 10)
     bw_numel = (1 << 23) if quick else ((1 << 26) if dev.type == "cpu" else (1 << 28))
     bw_repeat = 3 if quick else 10
-    bandwidth = copy_bandwidth(dev, bw_numel, repeat=bw_repeat)
-    log(f"copy bandwidth: {bandwidth / 1e9:.1f} GB/s ({bw_numel * 4 >> 20} MiB buffers)")
+    before = copy_bandwidth(dev, bw_numel, repeat=bw_repeat)
+    log(f"copy bandwidth: {before / 1e9:.1f} GB/s ({bw_numel * 4 >> 20} MiB buffers)")
 
     all_shapes = model_shapes(quick)
     cases_out = []
@@ -414,18 +426,27 @@ def run_benchmark(device: str = "cpu", repeat: Optional[int] = None, warmup: int
             check_case(case)
             fns = {k: f for k, f in case.fns.items() if f is not None}
             t = time_variants(fns, repeat, warmup, dev)
-            row = make_row(case, t, bandwidth, len(L.shapes))
+            row = make_row(case, t, before, len(L.shapes))
             cases_out.append(row)
             log(format_row(row))
             del case, fns
         del L
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-    # measured again at the end: the best of both, so a busy moment does not inflate fractions
-    bandwidth = max(bandwidth, copy_bandwidth(dev, bw_numel, repeat=bw_repeat))
+    # Measured again at the end: fractions use the better reading, so a busy moment does not
+    # inflate them, and readings far apart mark the whole run unreliable.
+    after = copy_bandwidth(dev, bw_numel, repeat=bw_repeat)
+    bandwidth = max(before, after)
+    for row in cases_out:
+        row["bandwidth_fraction"] = row["bytes"] / row["ashl_s"] / bandwidth
+    drift = bandwidth_drift(before, after)
 
     return {
         "bandwidth_gbps": bandwidth / 1e9,
+        "bandwidth_before_gbps": before / 1e9,
+        "bandwidth_after_gbps": after / 1e9,
+        "bandwidth_drift": drift,
+        "reliable": drift <= BANDWIDTH_DRIFT,
         "device": describe_device(dev),
         "threads": K.num_threads() if dev.type == "cpu" else None,
         "torch_threads": torch.get_num_threads(),
@@ -452,9 +473,12 @@ def check_case(case: Case) -> None:
                                  f"ashl:\n{e}") from None
 
 
-def make_row(case: Case, t: Dict[str, float], bandwidth: float, n_tensors: int) -> dict:
-    a = t["ashl"]
-    fe, fl = t.get("foreach"), t.get("flat")
+def make_row(case: Case, t: Dict[str, List[float]], bandwidth: float, n_tensors: int) -> dict:
+    """Min (the figure compared) and median (its noise) of each variant."""
+    best = {k: min(v) for k, v in t.items()}
+    mid = {k: statistics.median(v) for k, v in t.items()}
+    a = best["ashl"]
+    fe, fl = best.get("foreach"), best.get("flat")
     return {
         "op": case.op,
         "tensors": case.tensors,
@@ -464,8 +488,12 @@ def make_row(case: Case, t: Dict[str, float], bandwidth: float, n_tensors: int) 
         "ashl_s": a,
         "foreach_s": fe,
         "flat_s": fl,
+        "ashl_median_s": mid["ashl"],
+        "foreach_median_s": mid.get("foreach"),
+        "flat_median_s": mid.get("flat"),
         "speedup_vs_foreach": fe / a if fe is not None else None,
         "speedup_vs_flat": fl / a if fl is not None else None,
+        "speedup_vs_flat_median": mid["flat"] / mid["ashl"] if fl is not None else None,
         "ashl_gbps": case.bytes / a / 1e9,
         "bandwidth_fraction": case.bytes / a / bandwidth,
         "notes": case.notes,
@@ -484,6 +512,7 @@ def describe_device(dev: torch.device) -> str:
 _COLS = [("op", 20, "op"), ("tensors", 11, "tensors"), ("numel", 10, "numel"),
          ("ashl ms", 9, "ashl_s"), ("foreach ms", 10, "foreach_s"), ("flat ms", 9, "flat_s"),
          ("x foreach", 9, "speedup_vs_foreach"), ("x flat", 7, "speedup_vs_flat"),
+         ("(median)", 8, "speedup_vs_flat_median"),
          ("GB/s", 7, "ashl_gbps"), ("% bw", 6, "bandwidth_fraction")]
 
 
@@ -510,7 +539,12 @@ def format_table(result: dict) -> str:
     head = " ".join(h.rjust(w) if i > 1 else h.ljust(w) for i, (h, w, _) in enumerate(_COLS))
     lines = [f"device: {result['device']}  threads: {result['threads']} "
              f"(torch {result['torch_threads']})  copy bandwidth: "
-             f"{result['bandwidth_gbps']:.1f} GB/s  min of {result['repeat']}",
+             f"{result['bandwidth_before_gbps']:.1f} GB/s before, "
+             f"{result['bandwidth_after_gbps']:.1f} after  min of {result['repeat']}",
              head, "-" * len(head)]
     lines += [format_row(r) for r in result["cases"]]
+    if not result["reliable"]:
+        lines.append(f"UNRELIABLE: the copy bandwidth moved by "
+                     f"{100 * result['bandwidth_drift']:.0f}% during the run (more than "
+                     f"{100 * BANDWIDTH_DRIFT:.0f}%): something else used the memory bus")
     return "\n".join(lines)

@@ -1,0 +1,70 @@
+"""The CPU kernels' fp16/bf16 conversion paths (AVX-512, F16C + AVX2, portable), chosen at run
+time: every 16-bit value widens, and fp32 values (random bit patterns and the rounding edges)
+narrow, to the same bits on every path, and to torch's (a NaN is a NaN: torch canonicalises
+bf16 NaNs, the kernels keep the payload's top bits, on every path alike)."""
+import pytest
+import torch
+
+import ashl.kernels as K
+
+ISAS = K.supported_cpu_isas()
+ALL16 = torch.arange(0, 1 << 16, dtype=torch.int32).to(torch.int16)
+EDGES = [0x7f800000, 0x7f800001, 0x7fa00000, 0xffc00001, 0x7f7fffff, 0x477fefff, 0x477ff000,
+         0x38800000, 0x387fffff, 0x33000000, 0x33000001, 0x3f808000, 0x3f818000, 0x80000000, 0]
+
+
+def fp32_patterns(n=100_000):
+    g = torch.Generator().manual_seed(0)
+    rand = torch.randint(-2**31, 2**31 - 1, (n,), generator=g, dtype=torch.int64)
+    edges = torch.tensor([e - (1 << 32) if e >= 1 << 31 else e for e in EDGES], dtype=torch.int64)
+    return torch.cat([rand, edges]).to(torch.int32).view(torch.float32)
+
+
+def widen(dtype):
+    """unpack_assign from a 16-bit flat into fp32 tensors: a plain widening, no arithmetic."""
+    p, a = torch.empty(1 << 16), torch.empty(1 << 16)
+    K.unpack_assign([p], [a], ALL16.view(dtype).clone())
+    assert torch.equal(p.view(torch.int32), a.view(torch.int32))
+    return p.view(torch.int32)
+
+
+def narrow(values, dtype):
+    """unpack_assign from an fp32 flat into 16-bit tensors: a plain narrowing."""
+    p, a = torch.empty(len(values), dtype=dtype), torch.empty(len(values), dtype=dtype)
+    K.unpack_assign([p], [a], values.clone())
+    return p.view(torch.int16)
+
+
+@pytest.fixture
+def each_isa():
+    yield
+    K.set_cpu_isa("auto")
+
+
+def test_the_best_path_is_chosen_and_portable_is_always_there(each_isa):
+    assert ISAS[-1] == "portable" and K.cpu_isa() == ISAS[0]
+    K.set_cpu_isa("portable")
+    assert K.cpu_isa() == "portable"
+    K.set_cpu_isa("auto")
+    assert K.cpu_isa() == ISAS[0]
+    with pytest.raises(ValueError, match="unknown kernel ISA 'sse9'"):
+        K.set_cpu_isa("sse9")
+    for isa in {"avx512", "f16c"} - set(ISAS):
+        with pytest.raises(ValueError, match=f"this CPU cannot run the '{isa}' kernels"):
+            K.set_cpu_isa(isa)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_every_path_gives_the_same_bits_as_portable_and_torch(dtype, each_isa):
+    values = fp32_patterns()
+    K.set_cpu_isa("portable")
+    ref_wide, ref_narrow = widen(dtype), narrow(values, dtype)
+    assert torch.equal(ref_wide, ALL16.view(dtype).float().view(torch.int32))
+    torch_narrow = values.to(dtype)
+    nan = torch_narrow.isnan()
+    assert torch.equal(ref_narrow[~nan], torch_narrow.view(torch.int16)[~nan])
+    assert ref_narrow.view(dtype)[nan].isnan().all()
+    for isa in ISAS:
+        K.set_cpu_isa(isa)
+        assert torch.equal(widen(dtype), ref_wide), isa
+        assert torch.equal(narrow(values, dtype), ref_narrow), isa
