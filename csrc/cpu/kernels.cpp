@@ -16,9 +16,6 @@
 namespace ashl::cpu {
 namespace {
 
-// 32K elements: big enough to amortise scheduling, small enough to balance
-// a few hundred unequal tensors over the cores.
-constexpr int64_t kChunk = 32768;
 // fp32 accumulation blocks: small enough for L1.
 constexpr int64_t kBlock = 2048;
 // Blocks of an op with 16-bit operands: each operand widened into its own
@@ -30,47 +27,64 @@ constexpr int64_t kStreamBytes = int64_t(16) << 20;
 // Below this many elements in total, threads cost more than they save.
 constexpr int64_t kParallelThreshold = 1 << 16;
 
-struct WorkItem {
-  int32_t tensor;
-  int64_t begin, end;
-};
-
-std::vector<WorkItem> make_work(const std::vector<int64_t>& numels) {
-  std::vector<WorkItem> work;
-  for (size_t t = 0; t < numels.size(); ++t)
-    for (int64_t b = 0; b < numels[t]; b += kChunk)
-      work.push_back({static_cast<int32_t>(t), b, std::min(numels[t], b + kChunk)});
-  return work;
-}
-
 int64_t total(const std::vector<int64_t>& numels) {
   int64_t n = 0;
   for (int64_t x : numels) n += x;
   return n;
 }
 
-// Runs f(tensor, begin, end) over every chunk of every tensor.
+// This thread's share of n elements: an equal, contiguous range (split points
+// rounded to 16 elements, a cache line of fp32), as torch splits a flat op.
+std::pair<int64_t, int64_t> thread_range(int64_t n) {
+#ifdef _OPENMP
+  const int64_t id = omp_get_thread_num(), nt = omp_get_num_threads();
+#else
+  const int64_t id = 0, nt = 1;
+#endif
+  const auto split = [&](int64_t k) { return k == nt ? n : (n / nt * k) & ~int64_t(15); };
+  return {split(id), split(id + 1)};
+}
+
+// f(tensor, begin, end) over the pieces of elements [lo, hi) of the tensors
+// laid end to end.
+template <class F>
+void for_range(const std::vector<int64_t>& numels, int64_t lo, int64_t hi, F&& f) {
+  int64_t base = 0;
+  for (size_t t = 0; t < numels.size() && base < hi; base += numels[t], ++t) {
+    const int64_t b = std::max(lo, base), e = std::min(hi, base + numels[t]);
+    if (b < e) f(static_cast<int32_t>(t), b - base, e - base);
+  }
+}
+
+// Runs f(tensor, begin, end) over every element of every tensor, each thread
+// over one contiguous range of the whole list: long sequential streams for the
+// prefetchers, and no per-tensor or per-chunk scheduling (a list of chunks
+// measured 0.85-0.9x of one flat torch op; the same op on one flat tensor 0.95x).
 template <class F>
 void for_each_chunk(const std::vector<int64_t>& numels, F&& f) {
-  const auto work = make_work(numels);
-  const int64_t n = static_cast<int64_t>(work.size());
-#pragma omp parallel for schedule(static) if (total(numels) >= kParallelThreshold)
-  for (int64_t w = 0; w < n; ++w) f(work[w].tensor, work[w].begin, work[w].end);
+  const int64_t n = total(numels);
+#pragma omp parallel if (n >= kParallelThreshold)
+  {
+    const auto [lo, hi] = thread_range(n);
+    for_range(numels, lo, hi, f);
+  }
 }
 
 // True if any element of any tensor of `l` is NaN/Inf.
 template <class T>
 bool any_nonfinite(const TensorList& l) {
-  const auto work = make_work(l.numels);
-  const int64_t n = static_cast<int64_t>(work.size());
+  const int64_t n = total(l.numels);
   int bad = 0;
-#pragma omp parallel for schedule(static) reduction(| : bad) if (total(l.numels) >= kParallelThreshold)
-  for (int64_t w = 0; w < n; ++w) {
-    const T* p = static_cast<const T*>(l.ptrs[work[w].tensor]);
-    int local = 0;
+#pragma omp parallel reduction(| : bad) if (n >= kParallelThreshold)
+  {
+    const auto [lo, hi] = thread_range(n);
+    for_range(l.numels, lo, hi, [&](int32_t t, int64_t b, int64_t e) {
+      const T* p = static_cast<const T*>(l.ptrs[t]);
+      int local = 0;
 #pragma omp simd reduction(| : local)
-    for (int64_t j = work[w].begin; j < work[w].end; ++j) local |= nonfinite(p, j);
-    bad |= local;
+      for (int64_t j = b; j < e; ++j) local |= nonfinite(p, j);
+      bad |= local;
+    });
   }
   return bad != 0;
 }

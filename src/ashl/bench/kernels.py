@@ -66,11 +66,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for both ashl and torch (default: their defaults)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--isa", default="auto",
+                   help="the CPU kernels' fp16/bf16 conversion path: auto (the best this CPU "
+                        "has), avx512, f16c or portable")
 
 
 def run(args: argparse.Namespace) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda but torch.cuda.is_available() is False", file=sys.stderr)
+        return 2
+    import ashl.kernels as K
+    try:
+        K.set_cpu_isa(args.isa)
+    except ValueError as e:
+        print(f"error: --isa: {e}", file=sys.stderr)
         return 2
     result = run_benchmark(device=args.device, repeat=args.repeat, warmup=args.warmup,
                            quick=args.quick, lists=args.lists, ops=args.ops,
@@ -449,6 +458,7 @@ def run_benchmark(device: str = "cpu", repeat: Optional[int] = None, warmup: int
         "reliable": drift <= BANDWIDTH_DRIFT,
         "device": describe_device(dev),
         "threads": K.num_threads() if dev.type == "cpu" else None,
+        "isa": K.cpu_isa() if dev.type == "cpu" else None,
         "torch_threads": torch.get_num_threads(),
         "torch_version": torch.__version__,
         "repeat": repeat,
@@ -537,7 +547,7 @@ def format_row(row: dict) -> str:
 
 def format_table(result: dict) -> str:
     head = " ".join(h.rjust(w) if i > 1 else h.ljust(w) for i, (h, w, _) in enumerate(_COLS))
-    lines = [f"device: {result['device']}  threads: {result['threads']} "
+    lines = [f"device: {result['device']}  threads: {result['threads']} isa: {result['isa']} "
              f"(torch {result['torch_threads']})  copy bandwidth: "
              f"{result['bandwidth_before_gbps']:.1f} GB/s before, "
              f"{result['bandwidth_after_gbps']:.1f} after  min of {result['repeat']}",
