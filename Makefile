@@ -45,7 +45,8 @@ bench: bench-kernels bench-e2e bench-script
 
 bench-kernels: build
 	@mkdir -p $(OUT)
-	$(PY) -m ashl.bench kernels --json $(OUT)/kernels.json
+	$(PY) -m ashl.bench kernels --repeat 25 --json $(OUT)/kernels.json
+	$(PY) -m ashl.bench kernels --repeat 25 --threads 1 --json $(OUT)/kernels-1thread.json
 
 # A Horovod script against its three-line ashl conversion, compute slowdowns 1,2,4 and
 # 1,1,1, GPU-like 20 ms steps, 3 repeats.
