@@ -107,11 +107,11 @@ class StageConfig:
             if value is not None and (not isinstance(value, (int, float)) or not math.isfinite(value)):
                 raise ValueError(f"stage config: {name} must be None or a finite number, got {value!r}")
 
-    @property
-    def bounded(self) -> bool:
-        """Can the run stop by itself (a target or a budget)?"""
-        return any(v is not None for v in (self.target_loss, self.target_accuracy,
-                                           self.max_seconds, self.max_commits))
+    def can_stop(self, evaluated: bool) -> bool:
+        """Can the run stop by itself: a budget, a loss target, or an accuracy target with an
+        evaluation callback (`evaluated`) to measure it?"""
+        return (any(v is not None for v in (self.target_loss, self.max_seconds, self.max_commits))
+                or (evaluated and self.target_accuracy is not None))
 
     def ahl_budgets(self, n_ranks: int) -> tuple[float | None, int | None]:
         """Effective AHL (seconds, commits). At least one is always set."""

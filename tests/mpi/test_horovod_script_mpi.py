@@ -2,7 +2,8 @@
 mpirun and horovodrun: no finish() call, no budget, Horovod's keywords, hvd.allreduce'd
 metrics. It exits 0, reaches the unchanged Horovod script's accuracy within 2 points within
 the 20 epochs, and ends within 3 of it (one asynchronous run on a busy 2-core machine).
-A rank that raises mid-epoch ends the job at once, naming the rank (no hang, no segfault)."""
+A rank that raises mid-epoch, or calls sys.exit with a failure status, ends the job at once,
+naming the rank (no hang, no segfault)."""
 import subprocess
 import sys
 from pathlib import Path
@@ -60,4 +61,20 @@ def test_a_rank_that_raises_mid_epoch_ends_the_job_naming_it(tmp_path):
     assert proc.returncode != 0
     assert "RuntimeError: a bad batch" in out
     assert "ashl: rank 1 of 3 ended with an uncaught RuntimeError: a bad batch" in out
+    assert "Segmentation fault" not in out and proc.returncode != 139
+
+
+def test_a_rank_that_exits_with_a_failure_status_ends_the_job_naming_it(tmp_path):
+    text = SCRIPT.read_text().replace(
+        "        optimizer.step()\n",
+        "        optimizer.step()\n"
+        "        if hvd.rank() == 2 and epoch == 2 and batch_idx == 3:\n"
+        "            sys.exit(3)\n").replace("import argparse\n", "import argparse\nimport sys\n")
+    script = converted(tmp_path, text)
+    cmd = ["mpirun", "-np", "3", "--oversubscribe", "--bind-to", "none", sys.executable,
+           str(script), "--epochs", "4"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_util.mpi_env(), timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "ashl: rank 2 of 3 ended with sys.exit(3)" in out, out[-3000:]
     assert "Segmentation fault" not in out and proc.returncode != 139

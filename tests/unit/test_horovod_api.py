@@ -87,6 +87,12 @@ def test_finished_is_an_error_where_nothing_can_end_the_run_and_a_step_after_the
             _ = opt.finished
         opt.finish()
         assert opt.finished                                          # after the end: fine
+        # an accuracy target that nothing measures cannot end the run either
+        model, opt = build(comm, fake_hvd, local_steps=1,
+                           stage_config=StageConfig(target_accuracy=0.9))
+        with pytest.raises(ValueError, match="no target and no budget"):
+            _ = opt.finished
+        opt.finish()
         model, opt = build(comm, fake_hvd, local_steps=1, stage_config=StageConfig(max_commits=1))
         loss = model(torch.ones(1, 3)).sum()
         loss.backward()
@@ -98,3 +104,15 @@ def test_finished_is_an_error_where_nothing_can_end_the_run_and_a_step_after_the
         opt.finish()
         return True
     assert FakeWorld(1).run(rank_fn) == [True]
+
+
+def test_sys_exit_with_a_failure_status_is_noted_for_the_exit_hook(monkeypatch):
+    from ashl.torch import exit as exit_hook
+    monkeypatch.setattr(exit_hook, "_failure", [])
+    exits = []
+    wrapped = exit_hook._recording_exit(lambda status=None: exits.append(status))
+    wrapped()
+    wrapped(0)
+    assert exit_hook._failure == [] and exits == [None, 0]      # a normal end
+    wrapped(3)
+    assert exits[-1] == 3 and [f.code for f in exit_hook._failure] == [3]

@@ -139,6 +139,7 @@ class Strategy:
             raise ValueError(f"profile_steps must be an integer >= 3 (one is warm-up), "
                              f"got {profile_steps!r}")
         self.profile_steps = profile_steps
+        self.evaluates = evaluate is not None      # on every rank: can a target be met?
         self.evaluations = Evaluations(evaluate if self.rank == control_rank else None,
                                        eval_every_s)
         self.stage = Stage.PROFILE

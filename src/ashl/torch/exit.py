@@ -8,10 +8,12 @@ MPI are still alive.
 
 - The script ended normally: ``finish()`` on every optimizer still in the run, so every
   rank ends with the same final global model (collective: every rank gets here).
-- The script ended with an uncaught exception on this rank: the other ranks cannot finish
-  with it (they would wait for its commits or its allreduce forever), so the job ends at
-  once with MPI_Abort, after a line that names this rank and the error. mpirun reports the
-  rank too. Nothing already trained on disk is touched.
+- The script ended with an uncaught exception on this rank, or called ``sys.exit`` with a
+  failure status: the other ranks cannot finish with it (they would wait for its commits or
+  its allreduce forever), so the job ends at once with MPI_Abort, after a line that names
+  this rank and the error. mpirun reports the rank too. Nothing already trained on disk is
+  touched. (``sys.exit`` is wrapped to see its status: a SystemExit reaches no excepthook.
+  A bare ``raise SystemExit(1)`` is not seen and is taken for a normal end.)
 """
 from __future__ import annotations
 
@@ -45,8 +47,19 @@ def leave_at_exit(optimizer) -> None:
 
         sys.excepthook = record
         threading.excepthook = record_thread
+        sys.exit = _recording_exit(sys.exit)
         atexit.register(_at_exit)
     _optimizers.append(optimizer)
+
+
+def _recording_exit(exit_):
+    """sys.exit that notes a failure status (anything but None or 0) before exiting."""
+    def exit(status=None):
+        if status not in (None, 0) and threading.current_thread() is threading.main_thread():
+            _failure.append(SystemExit(status))
+        exit_(status)
+    exit.__doc__ = exit_.__doc__
+    return exit
 
 
 def _at_exit() -> None:
@@ -63,7 +76,9 @@ def _at_exit() -> None:
               file=sys.stderr, flush=True)
         return
     if _failure:
-        _abort(live[0], f"an uncaught {type(_failure[0]).__name__}: {_failure[0]}")
+        why = _failure[0]
+        _abort(live[0], f"sys.exit({why.code!r})" if isinstance(why, SystemExit)
+               else f"an uncaught {type(why).__name__}: {why}")
     for optimizer in reversed(live):
         try:
             optimizer.finish()

@@ -53,11 +53,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         a target or budget ends only when the loop ends, so a loop on it would never end:
         reading it then is an error."""
         s = self._ashl
-        if not s.finished and not s.stage_config.bounded and not getattr(self, "_ashl_closed", False):
+        if (not s.finished and not s.stage_config.can_stop(s.evaluates)
+                and not getattr(self, "_ashl_closed", False)):
             raise ValueError("opt.finished: this run has no target and no budget, so it ends only "
                              "when the training loop ends; loop over epochs, or give "
                              "stage_config=StageConfig(max_seconds=..., max_commits=... or "
-                             "target_accuracy=...)")
+                             "target_accuracy=... with evaluate=...)")
         return s.finished
 
     @property
