@@ -1,5 +1,6 @@
-// CPU back end: the CPU driver of the ops in ashl/ops.h. OpenMP over a
-// (tensor, chunk) work list, one SIMD loop per fp32 block of an item.
+// CPU back end: the CPU driver of the ops in ashl/ops.h. OpenMP threads each
+// over one contiguous range of the tensors laid end to end, one SIMD loop per
+// fp32 block (16-bit operands converted at the block's edges: halves.h).
 #include <algorithm>
 #include <array>
 #include <string>

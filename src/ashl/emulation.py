@@ -49,12 +49,13 @@ def _check_step_time(step_s: Optional[float]) -> Optional[float]:
 
 
 def step_time_from_env() -> Optional[float]:
-    """ASHL_EMULATE_STEP_TIME in seconds, or None when unset."""
+    """ASHL_EMULATE_STEP_TIME in seconds, or None when unset or 0 (steps at their real speed)."""
     text = os.environ.get(ENV_STEP_TIME, "").strip()
     if not text:
         return None
     try:
-        return _check_step_time(float(text))
+        value = float(text)
+        return None if value == 0 else _check_step_time(value)
     except ValueError as exc:
         raise ValueError(f"{ENV_STEP_TIME}={text!r}: {exc}") from None
 

@@ -33,7 +33,7 @@ from typing import Optional, Sequence
 
 from .cli import (OneLineParser, OptionError, add_run_options, check_factor_count,
                   check_run_options, check_strategy, parse_factors, parse_link)
-from .emulation import Heterogeneity
+from .emulation import Heterogeneity, step_time_from_env
 from .strategies import STRATEGIES
 
 PROG = "ashl.train"
@@ -313,7 +313,7 @@ class Run:
         self.base_opt = torch.optim.SGD(self.model.parameters(), lr=args.lr, momentum=0.9)
         self.sampler = ashl.HeterogeneousSampler(data.train, seed=args.seed)
         self.hetero = Heterogeneity.for_rank(rank, args.compute_factors, args.link_factors,
-                                             args.link)
+                                             args.link, step_time_from_env())
         self.evaluate = Evaluator(self.model, data.test)
         self.loss = SmoothedLoss()
         self.opt = None

@@ -163,7 +163,9 @@ def test_step_time_from_the_environment(monkeypatch):
     slow = Heterogeneity.from_env(1).slowdown()
     assert (slow.factor, slow.step_s, slow.active) == (4.0, 0.02, True)
     assert Heterogeneity.from_env(0).slowdown().step_s == 0.02    # factor 1 still emulated
-    for bad in ("0", "-1", "nan", "fast"):
+    monkeypatch.setenv("ASHL_EMULATE_STEP_TIME", "0")
+    assert step_time_from_env() is None                            # 0: real speed
+    for bad in ("-1", "nan", "fast"):
         monkeypatch.setenv("ASHL_EMULATE_STEP_TIME", bad)
         with pytest.raises(ValueError, match="ASHL_EMULATE_STEP_TIME"):
             step_time_from_env()

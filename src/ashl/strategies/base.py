@@ -139,7 +139,8 @@ class Strategy:
             raise ValueError(f"profile_steps must be an integer >= 3 (one is warm-up), "
                              f"got {profile_steps!r}")
         self.profile_steps = profile_steps
-        self.evaluates = evaluate is not None      # on every rank: can a target be met?
+        # Can an accuracy target be met? Only the control rank must pass evaluate=.
+        self.evaluates = bool(self.comm.bcast(evaluate is not None, root=control_rank))
         self.evaluations = Evaluations(evaluate if self.rank == control_rank else None,
                                        eval_every_s)
         self.stage = Stage.PROFILE

@@ -183,10 +183,11 @@ class ServerStrategy(Strategy):
         if accuracy is None:
             return
         with self.mc.lock:
-            self.mc.coordinator.on_evaluation(accuracy=accuracy)
             machine = self.mc.coordinator.machine
+            was_done = machine.done        # the server thread may have ended the run first
+            self.mc.coordinator.on_evaluation(accuracy=accuracy)
             done, reason = machine.done, machine.stop_reason
-        if done and reason.startswith("target"):
+        if done and not was_done and reason.startswith("target accuracy"):
             self._evaluated_model = torch.cat([t.detach().reshape(-1).float()
                                                for t in self.tensors])
         if done:
@@ -199,8 +200,9 @@ class ServerStrategy(Strategy):
         final = torch.empty(self.numel, dtype=torch.float32)
         if self.server is not None:
             self.server.join()
-            kept = self._evaluated_model
-            final.copy_(self.server.server.model if kept is None else kept)
+            if self._evaluated_model is not None:   # the server's model is that one too
+                self.server.server.model.copy_(self._evaluated_model)
+            final.copy_(self.server.server.model)
         self.wire.Bcast(final.numpy(), root=self.server_rank)
         kernels.unpack_assign(self.tensors, self.anchors, final)
         reason = self.wire.bcast(self.stop_reason if self.is_server else None,

@@ -12,8 +12,9 @@ MPI are still alive.
   failure status: the other ranks cannot finish with it (they would wait for its commits or
   its allreduce forever), so the job ends at once with MPI_Abort, after a line that names
   this rank and the error. mpirun reports the rank too. Nothing already trained on disk is
-  touched. (``sys.exit`` is wrapped to see its status: a SystemExit reaches no excepthook.
-  A bare ``raise SystemExit(1)`` is not seen and is taken for a normal end.)
+  touched; the job's status is the rank's own. (``sys.exit`` is wrapped to see its status:
+  a SystemExit reaches no excepthook. A bare ``raise SystemExit(1)``, ``exit()`` and
+  ``os._exit`` are not seen; a ``sys.exit(1)`` the script catches still counts.)
 """
 from __future__ import annotations
 
@@ -77,8 +78,10 @@ def _at_exit() -> None:
         return
     if _failure:
         why = _failure[0]
-        _abort(live[0], f"sys.exit({why.code!r})" if isinstance(why, SystemExit)
-               else f"an uncaught {type(why).__name__}: {why}")
+        if isinstance(why, SystemExit):
+            code = why.code if isinstance(why.code, int) and why.code > 0 else 1
+            _abort(live[0], f"sys.exit({why.code!r})", code)
+        _abort(live[0], f"an uncaught {type(why).__name__}: {why}")
     for optimizer in reversed(live):
         try:
             optimizer.finish()
@@ -87,9 +90,9 @@ def _at_exit() -> None:
             _abort(optimizer, f"finish() failed at exit: {type(exc).__name__}: {exc}")
 
 
-def _abort(optimizer, why: str) -> None:
+def _abort(optimizer, why: str, code: int = 1) -> None:
     strategy = optimizer._ashl
     print(f"ashl: rank {strategy.rank} of {strategy.size} ended with {why}; ending the job "
           "(the other ranks cannot finish without it)", file=sys.stderr, flush=True)
     from mpi4py import MPI
-    MPI.COMM_WORLD.Abort(1)
+    MPI.COMM_WORLD.Abort(code)
