@@ -94,6 +94,8 @@ while not opt.finished:
     epoch += 1
     if args.checkpoint and not opt.finished:
         opt.save_checkpoint(args.checkpoint)
+if stages_seen[-1:] != [opt.stage]:    # the run can also end between steps (an epoch join)
+    stages_seen.append(opt.stage)
 opt.finish()
 final = accuracy()
 result = {"rank": hvd.rank(), "accuracy": final, "stages": stages_seen,

@@ -57,7 +57,9 @@ def test_baseline_reaches_the_target_on_three_ranks(strategy, tmp_path):
     elif strategy == "localsgd":
         for c in counters:
             assert c["local_steps_per_round"] == 8
-            assert c["local_steps"] == 8 * c["commits"]      # the same H every round
+            # the same H every round but the epoch joins' (a partial round, then empty ones)
+            full = c["commits"] - c["join_rounds"]
+            assert 8 * full <= c["local_steps"] <= 8 * c["commits"], c
             assert c["commits"] == counters[0]["commits"]     # one allreduce per round
     elif strategy in ("ssp", "asp", "adsp"):
         server = counters[0]["server"]

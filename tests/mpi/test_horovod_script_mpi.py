@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 
 import _util  # noqa: E402
 from ashl.bench.script import _TEST_LINE
@@ -81,3 +83,21 @@ def test_a_rank_that_exits_with_a_failure_status_ends_the_job_naming_it(tmp_path
     assert proc.returncode != 0
     assert "ashl: rank 2 of 3 ended with sys.exit(3)" in out, out[-3000:]
     assert "Segmentation fault" not in out and proc.returncode != 139
+
+
+@pytest.mark.parametrize("strategy", ["ashl-sync", "localsgd", "bsp"])
+def test_the_epoch_loop_under_the_synchronous_strategies_on_an_uneven_cluster(strategy, tmp_path):
+    # Per-rank H_i and shares give the ranks different numbers of rounds per epoch; the
+    # script's hvd.allreduce of its metrics between epochs used to meet a round's allreduce
+    # on another rank (ashl-sync: a deadlock). The epoch join lines them up.
+    text = "\n".join(
+        line.replace("sampler=train_sampler)", f"sampler=train_sampler, strategy={strategy!r})")
+        if "ashl.DistributedOptimizer(" in line else line
+        for line in convert(SCRIPT.read_text()).splitlines())
+    assert text.count(f"strategy={strategy!r}") == 1
+    script = tmp_path / "ashl_digits.py"
+    script.write_text(text)
+    proc = _util.mpirun(3, script, "--epochs", "6", "--result", tmp_path / "r.txt", timeout=150,
+                        env={"ASHL_EMULATE_COMPUTE": "1,2,4", "ASHL_EMULATE_STEP_TIME": "0.005"})
+    assert len(_TEST_LINE.findall(proc.stdout)) == 6
+    assert accuracy(tmp_path / "r.txt") > 0.5

@@ -230,3 +230,29 @@ def test_rejects_bad_epochs_and_datasets():
     assert s.counts() == (5, 5)               # a rejected plan changes nothing
     with pytest.raises(ValueError, match="length"):
         HeterogeneousSampler(iter(range(3)), 1, 0)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_the_end_of_a_pass_is_announced_once_inside_the_loop(num_workers):
+    data = TensorDataset(torch.arange(40))
+    s = HeterogeneousSampler(data, num_replicas=2, rank=0, shares=[Fraction(3, 4), Fraction(1, 4)])
+    events = []
+    s.on_iteration(lambda: events.append("begin"))
+    s.on_exhausted(lambda: events.append("end"))
+    loader = DataLoader(data, batch_size=7, sampler=s,
+                        num_workers=num_workers)
+    for epoch in range(2):
+        s.set_epoch(epoch)
+        for _ in loader:
+            events.append("batch")
+        events.append("loop over")
+    # 30 indices, batches of 7: the end comes once per pass, before the loop is over (with
+    # workers the loader has read ahead, so it comes earlier)
+    for begin in (0, events.index("loop over") + 1):
+        epoch = events[begin:events.index("loop over", begin) + 1]
+        assert epoch[0] == "begin" and epoch.count("end") == 1 and epoch.count("batch") == 5
+        assert epoch.index("end") < len(epoch) - 1
+    it = iter(s)                                   # a pass abandoned early: no end
+    next(it)
+    del it
+    assert events.count("end") == 2

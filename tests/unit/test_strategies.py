@@ -141,9 +141,10 @@ def test_control_slots_round_trip_and_decide_the_same_on_every_rank():
     slots = ControlSlots(3)
     parts = [slots.encode(r, loss=[0.5, None, 0.25][r], busy=0.1 * r, control=r == 0,
                           elapsed=4.0, plan_t=1.0, accuracy=0.8 if r == 0 else None,
-                          present=r != 2) for r in range(3)]
+                          present=r != 2, epoch_done=r == 1) for r in range(3)]
     reading = slots.decode(sum(parts))
     assert reading.losses == (0.5, None, 0.25) and reading.present == 2
+    assert reading.epoch_done == 1
     assert reading.now == 4.0 and reading.plan_t == 1.0 and reading.accuracy == 0.8
     machines = [StageMachine(3, StageConfig()) for _ in range(3)]
     stages = {decide(m, reading) for m in machines}

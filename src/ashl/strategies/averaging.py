@@ -16,6 +16,14 @@ stops on it every rank keeps the evaluated model (that round's deltas are droppe
 model a user ends with is the one that met the target. A merged delta with NaN/Inf is dropped
 on every rank (all see the same sum), counted in ``rejected``.
 
+The epoch loop: ranks with their own H_i and data shares do different numbers of rounds per
+epoch, and a script's own collectives between epochs (``hvd.allreduce`` of its test metrics)
+would meet a round's allreduce on another rank and deadlock. So when a rank's
+HeterogeneousSampler has handed out its pass (``on_exhausted``), the rank exchanges its
+partial round and then joins the others' rounds with an empty delta and EPOCH_DONE=1 until
+every rank's pass has ended: all leave the epoch at the same allreduce. Its rounds then wait
+for its next pass; the batches still in its loader count into that pass's first round.
+
 A rank that calls ``finish()`` before the run has ended does one last round with its partial
 delta and PRESENT=0; the others meet it at their own allreduce and all stop on that round.
 Stop decisions only ever come from allreduced numbers, so no rank can be left waiting in an
@@ -79,6 +87,11 @@ class ModelAveragingStrategy(Strategy):
         self.pending_accuracy: Optional[float] = None   # control rank: not yet sent
         self.idle_s = 0.0
         self._round_start = time.perf_counter()   # for the busy slot
+        self._between_passes = False          # this rank's pass ended: no round until the next
+        self.join_rounds = 0                  # rounds of epoch joins (the first one partial)
+        if hasattr(sampler, "on_exhausted"):
+            sampler.on_exhausted(self._end_of_pass)
+            sampler.on_iteration(self._begin_pass)
 
     # ---------------------------------------------------------------- what differs
     def merge_weight(self, stage: Stage) -> float:
@@ -100,8 +113,29 @@ class ModelAveragingStrategy(Strategy):
     def _start(self) -> None:
         self.anchors = [t.detach().clone() for t in self.tensors]
 
-    def _exchange(self, final: bool = False) -> None:
-        """End this rank's round: one allreduce, then the same decisions on every rank."""
+    def _round_done(self) -> bool:
+        return not self._between_passes and super()._round_done()
+
+    def _begin_pass(self) -> None:
+        self._between_passes = False
+
+    def _end_of_pass(self) -> None:
+        """The epoch join (module docstring): this rank's pass is over; exchange what it has
+        and meet the others' rounds until every rank's pass is over too."""
+        if not self.started or not self.planned or self.finished:
+            return      # before the plan every rank's first pass is the same length
+        self._between_passes = True
+        t0 = time.time()
+        while not self.finished:
+            self.join_rounds += 1
+            if self._exchange(epoch_done=True).epoch_done == self.size:
+                break
+        self.timeline.span("epoch join", t0, time.time())
+        self.clock.restart()     # the wait is not the next step's compute
+
+    def _exchange(self, final: bool = False, epoch_done: bool = False):
+        """End this rank's round: one allreduce, then the same decisions on every rank;
+        returns what the control slots said."""
         start, stage, steps = time.time(), self.stage, self.round_steps
         delta, control = self.flat[:self.numel], self.flat[self.numel:]
         busy = time.perf_counter() - self._round_start
@@ -109,7 +143,7 @@ class ModelAveragingStrategy(Strategy):
         control.copy_(self.slots.encode(
             self.rank, loss=self.loss.commit(), busy=busy, control=self.rank == 0,
             elapsed=time.monotonic() - self.t0, plan_t=self.plan_t,
-            accuracy=self.pending_accuracy, present=not final))
+            accuracy=self.pending_accuracy, present=not final, epoch_done=epoch_done))
         self.pending_accuracy = None
         # An emulated slow link delays this rank's contribution; the allreduce then ends no
         # sooner than the slowest rank's data arrives, as on a real network.
@@ -131,6 +165,7 @@ class ModelAveragingStrategy(Strategy):
         if self.rank == 0 and not self.finished:
             self.pending_accuracy = self.evaluations.maybe()
         self._round_start = time.perf_counter()
+        return reading
 
     def _merge(self, reading) -> bool:
         """anchors += the summed deltas; params = anchors. Not when the run stops on an
@@ -162,5 +197,5 @@ class ModelAveragingStrategy(Strategy):
 
     def counters(self) -> dict:
         c = super().counters()
-        c.update(rounds=self.commits, idle_s=self.idle_s)
+        c.update(rounds=self.commits, idle_s=self.idle_s, join_rounds=self.join_rounds)
         return c

@@ -13,6 +13,8 @@ Slots (``ControlSlots.count`` floats):
     ACC, HAS_ACC           the control rank's latest evaluation accuracy, new this round
     PRESENT                1 from every rank still training (a rank leaving early sends 0;
                            one in ``hvd.join()`` contributes nothing)
+    EPOCH_DONE             1 from every rank whose pass over its data has ended (the epoch
+                           join of the averaging strategies)
 
 Every slot has exactly one nonzero contributor, so its sum is exact whatever order the MPI
 reduction adds in: all ranks read bit-identical numbers. ``decide`` feeds them, in the same
@@ -41,6 +43,7 @@ class ControlReading:
     plan_t: float
     accuracy: Optional[float]
     present: int
+    epoch_done: int = 0
 
 
 class ControlSlots:
@@ -48,11 +51,11 @@ class ControlSlots:
 
     def __init__(self, size: int):
         self.size = size
-        self.count = 3 * size + 5
+        self.count = 3 * size + 6
 
     def encode(self, rank: int, *, loss: Optional[float], busy: float, control: bool,
                elapsed: float = 0.0, plan_t: float = 0.0, accuracy: Optional[float] = None,
-               present: bool = True) -> torch.Tensor:
+               present: bool = True, epoch_done: bool = False) -> torch.Tensor:
         """This rank's contribution (float64; the control rank's clock and accuracy only
         when `control`)."""
         n, v = self.size, torch.zeros(self.count, dtype=torch.float64)
@@ -64,6 +67,7 @@ class ControlSlots:
             if accuracy is not None:
                 v[3 * n + 2], v[3 * n + 3] = accuracy, 1.0
         v[3 * n + 4] = 1.0 if present else 0.0
+        v[3 * n + 5] = 1.0 if epoch_done else 0.0
         return v
 
     def decode(self, summed: torch.Tensor) -> ControlReading:
@@ -72,7 +76,7 @@ class ControlSlots:
             losses=tuple(v[r] if v[n + r] > 0 else None for r in range(n)),
             busy=tuple(v[2 * n:3 * n]), now=v[3 * n], plan_t=v[3 * n + 1],
             accuracy=v[3 * n + 2] if v[3 * n + 3] > 0 else None,
-            present=int(round(v[3 * n + 4])))
+            present=int(round(v[3 * n + 4])), epoch_done=int(round(v[3 * n + 5])))
 
 
 def decide(machine: StageMachine, reading: ControlReading, commits_per_rank: int = 1,

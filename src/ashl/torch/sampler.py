@@ -136,6 +136,7 @@ class HeterogeneousSampler(Sampler[int]):
         self._started = False  # has an iteration of self.epoch begun?
         self._pending: tuple[int, ...] | None = None  # counts waiting for the next boundary
         self._on_iteration: list = []   # called when a pass over the data begins
+        self._on_exhausted: list = []   # called when a pass has handed out all its indices
         if shares is None:
             shares = [Fraction(1, self.num_replicas)] * self.num_replicas
         self._schedule.append((0, shares_to_counts(shares, n, self.num_replicas, self.drop_last)))
@@ -206,13 +207,24 @@ class HeterogeneousSampler(Sampler[int]):
         restarts there: what the script did between two epochs is not a training step)."""
         self._on_iteration.append(callback)
 
+    def on_exhausted(self, callback) -> None:
+        """Call `callback()` when a pass has handed out its last index, as the loader asks for
+        the next one (the averaging strategies' epoch join: every rank leaves its epoch at the
+        same collective). A pass the consumer abandons early does not call it."""
+        self._on_exhausted.append(callback)
+
     def __iter__(self) -> Iterator[int]:
         if self._pending is not None:
             self._apply(self._pending, self.epoch)
         self._started = True
         for callback in self._on_iteration:
             callback()
-        return iter(self.indices())  # fixed now: later set_shares cannot change this pass
+        return self._pass(self.indices())  # fixed now: later set_shares cannot change it
+
+    def _pass(self, indices: list) -> Iterator[int]:
+        yield from indices
+        for callback in self._on_exhausted:
+            callback()
 
     def __len__(self) -> int:
         return self.counts()[self.rank]
