@@ -75,8 +75,12 @@ def main(argv=None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip().splitlines()[0])
         return 0 if argv else 2
-    slowdown = ComputeSlowdown(compute_factor_from_env(launcher_rank()),
-                               step_s=step_time_from_env())
+    try:
+        slowdown = ComputeSlowdown(compute_factor_from_env(launcher_rank()),
+                                   step_s=step_time_from_env())
+    except ValueError as exc:           # a mistyped ASHL_EMULATE_* variable
+        print(f"ashl.emulate: error: {exc}", file=sys.stderr)
+        return 2
     if slowdown.active:
         SlowSteps(slowdown).install()
     sys.argv = list(argv)

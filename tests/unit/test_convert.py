@@ -117,3 +117,14 @@ def test_comments_and_a_trailing_comma_survive_the_conversion():
     assert out[2] == ("opt = ashl.DistributedOptimizer(opt, named_parameters=m.named_parameters(), "
                       "sampler=sampler_train)  # (wrap)")
     compile("\n".join(out), "converted", "exec")
+
+
+def test_the_emulation_runner_names_a_mistyped_variable(monkeypatch, capsys):
+    from ashl.emulate import main
+    monkeypatch.setenv("ASHL_EMULATE_STEP_TIME", "fast")
+    assert main([str(SCRIPT)]) == 2
+    assert "ASHL_EMULATE_STEP_TIME='fast'" in capsys.readouterr().err
+    monkeypatch.setenv("ASHL_EMULATE_STEP_TIME", "")
+    monkeypatch.setenv("ASHL_EMULATE_COMPUTE", "1,x")
+    assert main([str(SCRIPT)]) == 2
+    assert "bad slowdown list" in capsys.readouterr().err
