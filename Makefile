@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 
-.PHONY: all bootstrap build test demo bench bench-kernels bench-e2e bench-e2e-netns bench-script clean distclean
+.PHONY: all bootstrap build test demo bench bench-kernels bench-e2e bench-e2e-netns bench-outer bench-script clean distclean
 
 all: build
 
@@ -41,7 +41,7 @@ demo: build
 	$(PY) -m ashl.bench e2e --homogeneous --strategies ashl,bsp --ranks $(DEMO_RANKS) \
 	    --json $(OUT)/demo-homogeneous/e2e.json
 
-bench: bench-kernels bench-e2e bench-script
+bench: bench-kernels bench-e2e bench-script bench-outer
 
 bench-kernels: build
 	@mkdir -p $(OUT)
@@ -59,6 +59,27 @@ bench-e2e: build
 	@mkdir -p $(OUT)/e2e $(OUT)/e2e-homogeneous
 	$(PY) -m ashl.bench e2e --json $(OUT)/e2e/e2e.json
 	$(PY) -m ashl.bench e2e --homogeneous --json $(OUT)/e2e-homogeneous/e2e.json
+
+# ashl with and without each outer optimizer against the 2024 rivals (diloco, async-localsgd),
+# 3 seeds each: the default scenario (heterogeneous and homogeneous), then with GPU-like
+# 10 ms steps to a 0.96 target (docs/BENCHMARKS.md).
+OUTER_STRATEGIES ?= ashl,ashl+nesterov(0.7, 0.5),ashl+delayed-nesterov(0.7, 0.5),$\
+    ashl+delayed-nesterov(0.7, 0.9),ashl-sync,ashl-sync+nesterov(0.7, 0.5),diloco,$\
+    async-localsgd,localsgd,bsp
+OUTER_GPU_STRATEGIES ?= ashl,ashl+nesterov(0.7, 0.5),ashl+delayed-nesterov(0.7, 0.5),$\
+    ashl-sync,ashl-sync+nesterov(0.7, 0.5),diloco,async-localsgd,localsgd,bsp
+OUTER_GPU_ARGS ?= --target-accuracy 0.96 --eval-every 0.1 --max-seconds 60
+bench-outer: build
+	@mkdir -p $(OUT)/outer $(OUT)/outer-homogeneous $(OUT)/outer-gpu $(OUT)/outer-gpu-homogeneous
+	$(PY) -m ashl.bench e2e --strategies '$(OUTER_STRATEGIES)' --seeds 0,1,2 --max-seconds 30 \
+	    --json $(OUT)/outer/e2e.json
+	$(PY) -m ashl.bench e2e --homogeneous --strategies '$(OUTER_STRATEGIES)' --seeds 0,1,2 \
+	    --max-seconds 30 --json $(OUT)/outer-homogeneous/e2e.json
+	ASHL_EMULATE_STEP_TIME=0.01 $(PY) -m ashl.bench e2e --strategies '$(OUTER_GPU_STRATEGIES)' \
+	    --seeds 0,1,2 $(OUTER_GPU_ARGS) --json $(OUT)/outer-gpu/e2e.json
+	ASHL_EMULATE_STEP_TIME=0.01 $(PY) -m ashl.bench e2e --homogeneous \
+	    --strategies '$(OUTER_GPU_STRATEGIES)' --seeds 0,1,2 $(OUTER_GPU_ARGS) \
+	    --json $(OUT)/outer-gpu-homogeneous/e2e.json
 
 # Real shaped links between emulated hosts (root: network namespaces, tc), beside the emulated
 # links on the same 3-rank cluster (docs/BENCHMARKS.md).

@@ -33,6 +33,8 @@ parser.add_argument("--switch-loss", type=float, default=0.3)
 parser.add_argument("--ahl-max-commits", type=int, default=None)
 parser.add_argument("--compression", default=None,
                     help="force a compressor for every commit: none, fp16 or topk:RATIO")
+parser.add_argument("--outer-optimizer", default=None,
+                    help="e.g. nesterov(0.7, 0.9); default: the strategy's own")
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--max-commits", type=int, default=None)
 parser.add_argument("--checkpoint", default=None, help="save here after every epoch")
@@ -72,7 +74,8 @@ else:
     compression = getattr(ashl.Compression, args.compression)
 opt = ashl.DistributedOptimizer(opt, model=model, sampler=sampler, strategy=args.strategy,
                                 compression=compression, stage_config=stages,
-                                evaluate=accuracy, eval_every_s=0.5, profile_steps=5)
+                                evaluate=accuracy, eval_every_s=0.5, profile_steps=5,
+                                outer_optimizer=args.outer_optimizer)
 ashl.broadcast_parameters(model.state_dict(), root_rank=0)
 if args.resume:
     opt.load_checkpoint(args.resume)

@@ -13,9 +13,11 @@ import argparse
 import contextlib
 import math
 import os
+import re
 from typing import Iterator, Optional, Sequence
 
 from .emulation import DEFAULT_LINK, Link
+from .outer_spec import parse_outer
 from .strategies import STRATEGIES
 
 DATASET_HELP = "digits (default), synthetic[:N], cifar10:DIR"
@@ -158,14 +160,33 @@ def check_strategy(name: str) -> str:
     return name
 
 
+def split_variant(name: str) -> tuple[str, Optional[str]]:
+    """'ashl+nesterov(0.7, 0.5)' -> ('ashl', 'nesterov(0.7, 0.5)'): a strategy run with an
+    outer optimizer; a plain name -> (name, None)."""
+    base, plus, outer = name.partition("+")
+    return base.strip(), (outer.strip() if plus else None)
+
+
 def parse_strategies(text: Optional[str], default: Sequence[str]) -> list[str]:
-    """--strategies 'a,b' -> ['a', 'b'] (None: `default`); every name known, none twice."""
+    """--strategies 'a,b' -> ['a', 'b'] (None: `default`); every name known, none twice. A
+    name may carry an outer optimizer, STRATEGY+SPEC (commas inside SPEC's parentheses do
+    not split the list)."""
     if text is None:
         return list(default)
-    names = [s.strip() for s in text.split(",") if s.strip()]
+    names = [s.strip() for s in re.split(r",(?![^(]*\))", text) if s.strip()]
     if not names:
         raise OptionError(f"--strategies {text!r}: no strategy named")
-    unknown = [s for s in names if s not in STRATEGIES]
+    for name in names:
+        base, outer = split_variant(name)
+        if outer is None:
+            continue
+        if base == "bsp":
+            raise OptionError(f"--strategies {text!r}: {name!r}: bsp takes no outer optimizer")
+        try:
+            parse_outer(outer)
+        except ValueError as e:
+            raise OptionError(f"--strategies {text!r}: {name!r}: {e}") from None
+    unknown = [s for s in names if split_variant(s)[0] not in STRATEGIES]
     if unknown:
         raise OptionError(f"--strategies {text!r}: unknown {', '.join(map(repr, unknown))} "
                           f"(known: {', '.join(STRATEGIES)})")

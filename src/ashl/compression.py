@@ -92,6 +92,38 @@ class Payload:
             return kernels.merge_sparse(dst, self.indices, self.values, weight)
         return kernels.merge_dense(dst.view(-1), self.values, weight)
 
+    def split(self, at: int) -> tuple["Payload", "Payload"]:
+        """(elements [0, at), elements [at, numel) renumbered from 0): views of a dense payload;
+        copies of a sparse one's entries (its indices ascending, as every compressor sends)."""
+        if not 0 <= at <= self.numel:
+            raise ValueError(f"split at {at} outside a payload of {self.numel} elements")
+        if not self.sparse:
+            cut = at * self.dtype.itemsize
+            return (Payload(self.kind, self.dtype, at, 0, self.buffer[:cut]),
+                    Payload(self.kind, self.dtype, self.numel - at, 0, self.buffer[cut:]))
+        idx, val = self.indices, self.values
+        k = int(torch.searchsorted(idx, torch.tensor([at], dtype=idx.dtype)))
+        head = torch.cat([idx[:k].contiguous().view(torch.uint8), val[:k].contiguous().view(torch.uint8)])
+        tail = torch.cat([(idx[k:] - at).view(torch.uint8), val[k:].contiguous().view(torch.uint8)])
+        return (Payload(self.kind, self.dtype, at, k, head),
+                Payload(self.kind, self.dtype, self.numel - at, self.nnz - k, tail))
+
+    def check(self) -> bool:
+        """What a merge checks, without merging: False if a value is NaN/Inf; IndexError if a
+        sparse index is outside the payload's elements."""
+        if self.sparse and self.nnz:
+            idx = self.indices
+            if int(idx.min()) < 0 or int(idx.max()) >= self.numel:
+                raise IndexError(f"a sparse index is outside [0, {self.numel})")
+        return bool(torch.isfinite(self.values).all())
+
+    @classmethod
+    def dense(cls, values: torch.Tensor) -> "Payload":
+        """A flat contiguous fp32 tensor as a dense payload, without copying."""
+        if values.dtype != torch.float32 or values.dim() != 1 or not values.is_contiguous():
+            raise ValueError("a dense payload wraps a flat contiguous fp32 tensor")
+        return cls(Kind.DENSE_DELTA, DType.FLOAT32, values.numel(), 0, values.view(torch.uint8))
+
     @classmethod
     def from_message(cls, header: Header, raw: torch.Tensor) -> "Payload":
         """Wrap a received (validated) delta's payload bytes without copying."""

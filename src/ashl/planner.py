@@ -43,6 +43,9 @@ __all__ = [
     "Plan",
     "make_plan",
     "uniform_plan",
+    "check_local_steps",
+    "dylu_steps",
+    "dylu_plan",
     "plan_stage",
     "push_seconds",
     "pull_seconds",
@@ -589,6 +592,13 @@ def make_plan(profiles: Iterable[RankProfile], config: PlannerConfig | None = No
                 reason=reason)
 
 
+def check_local_steps(local_steps: Any) -> int:
+    """A strategy's fixed H: an integer >= 1 (ValueError naming it otherwise)."""
+    if isinstance(local_steps, bool) or not isinstance(local_steps, int) or local_steps < 1:
+        raise ValueError(f"local_steps must be an integer >= 1, got {local_steps!r}")
+    return local_steps
+
+
 def uniform_plan(n_ranks: int, local_steps: int, merge_weight: Fraction, *,
                  reason: str = "", version: int = 1) -> Plan:
     """A fixed plan without profiling (the baselines): every rank does `local_steps` steps per
@@ -596,8 +606,7 @@ def uniform_plan(n_ranks: int, local_steps: int, merge_weight: Fraction, *,
     profiles are placeholders (1 s per step, free links): nothing was measured."""
     if not isinstance(n_ranks, int) or n_ranks < 1:
         raise ValueError(f"n_ranks must be an integer >= 1, got {n_ranks!r}")
-    if isinstance(local_steps, bool) or not isinstance(local_steps, int) or local_steps < 1:
-        raise ValueError(f"local_steps must be an integer >= 1, got {local_steps!r}")
+    check_local_steps(local_steps)
     weight = Fraction(merge_weight)
     if weight <= 0:
         raise ValueError(f"merge_weight must be > 0, got {merge_weight!r}")
@@ -612,6 +621,51 @@ def uniform_plan(n_ranks: int, local_steps: int, merge_weight: Fraction, *,
                          merge_weights=(weight,) * n_ranks,
                          rank_round_s=(float(local_steps),) * n_ranks,
                          round_s=float(local_steps), idle_fraction=(0.0,) * n_ranks)
+
+    return Plan(version=version, profiles=profiles, config=config, ahl=stage(AHL),
+                shl=stage(SHL), reason=reason)
+
+
+def dylu_steps(compute_s: Sequence[float], local_steps: int) -> tuple[int, ...]:
+    """Dynamic Local Updates (Liu et al. 2024, Async Local-SGD): the fastest rank takes
+    `local_steps` (H) steps a round, rank i floor(v_i / v_max * H) with v = 1 / compute_s,
+    at least 1, so every rank's round takes about as long as the fastest one's."""
+    check_local_steps(local_steps)
+    for i, c in enumerate(compute_s):
+        _check_positive(f"rank {i}", "compute_s", c)
+    fastest = min(compute_s)
+    # v_i / v_max = fastest / c_i; the slack keeps an exact ratio from flooring one lower
+    return tuple(max(1, math.floor(fastest / c * local_steps * (1 + _FLOOR_SLACK)))
+                 for c in compute_s)
+
+
+def dylu_plan(profiles: Sequence[RankProfile], local_steps: int, *, version: int = 1,
+              reason: str = "") -> Plan:
+    """async-localsgd's plan: DyLU's H_i (`dylu_steps`), dense, data shares in proportion to
+    H_i (the samples each rank takes per round), merge weights 1 / n (the outer optimizer's
+    average of n pseudo-gradients); the same in both stages (the strategy has one)."""
+    profiles = tuple(profiles)
+    n = len(profiles)
+    if n < 1:
+        raise ValueError("dylu_plan needs at least one rank's profile")
+    config = PlannerConfig(k_ahl=local_steps, k_shl=local_steps, shl_target_ratio=1.0,
+                           weighting="uniform")
+    validate_profiles(profiles, config)
+    compute = [float(p.compute_s) for p in profiles]
+    steps = dylu_steps(compute, local_steps)
+    rank_round = tuple(c * h + push_seconds(p, 1.0, config) + pull_seconds(p, config)
+                       for c, h, p in zip(compute, steps, profiles))
+    round_s = max(rank_round)
+    total = sum(steps)
+
+    def stage(name: str) -> StagePlan:
+        return StagePlan(stage=name, k=local_steps, target_ratio=1.0,
+                         bottleneck=max(range(n), key=lambda i: (rank_round[i], -i)),
+                         local_steps=steps, ratios=(1.0,) * n,
+                         shares=tuple(Fraction(h, total) for h in steps),
+                         merge_weights=(Fraction(1, n),) * n, rank_round_s=rank_round,
+                         round_s=round_s,
+                         idle_fraction=tuple(max(0.0, (round_s - r) / round_s) for r in rank_round))
 
     return Plan(version=version, profiles=profiles, config=config, ahl=stage(AHL),
                 shl=stage(SHL), reason=reason)

@@ -6,10 +6,12 @@ commits on ``protocol.TAG_TO_SERVER`` (every rank, the host rank included, sends
 the same way), hands them to the server and sends the replies on ``protocol.TAG_TO_RANK``.
 The rank's half of the exchange is ``client.ServerClient``.
 
-Merge: ``global += merge_weight[rank] * staleness(excess) * delta``, excess = the versions since
-the delta's base beyond one commit of every other live rank (``ParameterServer.excess``), with the
-fused kernels (dense or bounds-checked sparse), all or nothing: a delta holding NaN/Inf is
-rejected and counted, and the sender is told so (it then resumes from the global model).
+Merge: ``u = merge_weight[rank] * staleness(excess) * delta``, excess = the versions since the
+delta's base beyond one commit of every other live rank (``ParameterServer.excess``), and the
+outer optimizer applies u to the global model (outer.py: ``global += u`` by default, or an
+outer Nesterov / Delayed Nesterov step) with the fused kernels (dense or bounds-checked
+sparse), all or nothing: a delta holding NaN/Inf is rejected and counted, and the sender is
+told so (it then resumes from the global model).
 SHL: a rank more than ``bound`` commits ahead of the slowest live rank gets its reply only
 once the slowest catches up (its delta is merged at once; only its next round waits). A stop
 releases every waiting rank, so the wait can never deadlock.
@@ -29,6 +31,7 @@ import torch
 from . import protocol
 from .compression import Payload
 from .coordinator import CommitReport, Coordinator, Directive
+from .outer import OuterOptimizer, make_outer
 from .planner import Plan
 from .protocol import Flag, Header, Kind
 from .staleness import Staleness, parse_staleness
@@ -72,7 +75,7 @@ class ParameterServer:
 
     def __init__(self, initial: torch.Tensor, n_ranks: int, coordinator: Coordinator, *,
                  rank: int = 0, staleness: "str | Staleness" = "none", bound: int = 3,
-                 downlink: torch.dtype = torch.float32,
+                 downlink: torch.dtype = torch.float32, outer: Optional[OuterOptimizer] = None,
                  clock: Callable[[], float] = time.monotonic):
         if initial.dtype != torch.float32 or initial.dim() != 1:
             raise ValueError("the global model must be a flat fp32 tensor")
@@ -81,6 +84,10 @@ class ParameterServer:
         if downlink not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"downlink dtype must be float32, float16 or bfloat16, got {downlink}")
         self.model = initial.detach().clone().contiguous()
+        self.outer = make_outer("none", self.model.numel(), n_ranks) if outer is None else outer
+        if self.outer.numel != self.model.numel():
+            raise ValueError(f"the outer optimizer is for {self.outer.numel} elements, the "
+                             f"global model has {self.model.numel()}")
         self.n_ranks = n_ranks
         self.rank = rank             # where the server runs: the sender of every reply
         self.coordinator = coordinator
@@ -130,7 +137,7 @@ class ParameterServer:
         accepted = False
         if not self.stopped:   # after DONE, late deltas are not merged
             weight = self.weight(rank, stage) * self.staleness(self.excess(staleness))
-            accepted = Payload.from_message(header, payload).merge_into(self.model, weight)
+            accepted = self.outer.step(self.model, Payload.from_message(header, payload), weight)
             if accepted:
                 self.version += 1
                 self.stats.merged += 1

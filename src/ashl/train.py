@@ -34,6 +34,7 @@ from typing import Optional, Sequence
 from .cli import (OneLineParser, OptionError, add_run_options, check_factor_count,
                   check_run_options, check_strategy, parse_factors, parse_link)
 from .emulation import Heterogeneity, step_time_from_env
+from .outer_spec import parse_outer
 from .strategies import STRATEGIES
 
 PROG = "ashl.train"
@@ -54,6 +55,10 @@ def build_parser(prog: str = PROG) -> OneLineParser:
                    help="ASHL: move from AHL to SHL below this global training loss")
     p.add_argument("--profile-steps", type=int, default=10,
                    help="local steps each rank times before the plan")
+    p.add_argument("--outer-optimizer", default=None, metavar="SPEC",
+                   help="what the merged update does to the global model: none, "
+                        "nesterov(lr, momentum) or delayed-nesterov(lr, momentum, n) "
+                        "(default: the strategy's own; not with bsp)")
     p.add_argument("--out", default=os.path.join("out", "train"), help="output directory")
     p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     return p
@@ -91,6 +96,14 @@ def check_options(args: argparse.Namespace) -> argparse.Namespace:
         args.eval_every = 10.0 if args.dataset.strip().lower().startswith("cifar10") else 0.25
     if args.profile_steps < 3:
         raise OptionError(f"--profile-steps {args.profile_steps}: must be >= 3 (one is warm-up)")
+    if args.outer_optimizer is not None:
+        if args.strategy == "bsp":
+            raise OptionError("--outer-optimizer: strategy bsp averages gradients every step; "
+                              "an outer optimizer needs a strategy that merges model deltas")
+        try:
+            parse_outer(args.outer_optimizer)
+        except ValueError as e:
+            raise OptionError(f"--outer-optimizer {args.outer_optimizer!r}: {e}") from None
     if args.max_seconds is None and args.max_commits is None and args.target_accuracy is None:
         raise OptionError("no stop condition: give --max-seconds, --max-commits or "
                           "--target-accuracy")
@@ -345,6 +358,8 @@ class Run:
                                    max_seconds=a.max_seconds, max_commits=a.max_commits)
         config = dict(stage_config=stage_config, eval_every_s=a.eval_every,
                       profile_steps=a.profile_steps)
+        if a.outer_optimizer is not None:
+            config["outer_optimizer"] = a.outer_optimizer
         if self.rank == 0:
             config["evaluate"] = self.on_evaluate
         # Ranks finish importing and loading at different times (a loaded host skews them by

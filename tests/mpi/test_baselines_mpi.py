@@ -1,4 +1,5 @@
-"""The baselines behind DistributedOptimizer(strategy=...): bsp, localsgd, ssp, asp, adsp.
+"""The baselines behind DistributedOptimizer(strategy=...): bsp, localsgd, ssp, asp, adsp,
+and the 2024 rivals diloco and async-localsgd.
 
 One real 3-rank run of examples/train_digits.py per strategy under mpirun: each reaches the
 target, every rank exits 0 and ends with the same model, and each keeps its defining rule
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import _util  # noqa: E402
+from ashl.planner import dylu_steps
 
 
 TRAIN = Path(__file__).resolve().parents[2] / "examples" / "train_digits.py"
@@ -39,7 +41,8 @@ def run_digits(strategy, tmp_path, *args):
 
 @pytest.mark.mpi
 @pytest.mark.skipif(_util.skip_reason() is not None, reason=_util.skip_reason() or "")
-@pytest.mark.parametrize("strategy", ["bsp", "localsgd", "ssp", "asp", "adsp"])
+@pytest.mark.parametrize("strategy", ["bsp", "localsgd", "ssp", "asp", "adsp", "diloco",
+                                      "async-localsgd"])
 def test_baseline_reaches_the_target_on_three_ranks(strategy, tmp_path):
     ranks = run_digits(strategy, tmp_path)
     counters = [r["counters"] for r in ranks]
@@ -54,13 +57,29 @@ def test_baseline_reaches_the_target_on_three_ranks(strategy, tmp_path):
             assert c["commits"] == c["local_steps"] == counters[0]["local_steps"]
             assert c["global_commits"] == 3 * c["local_steps"]
             assert c["stop_reason"].startswith("target accuracy") and not c["left_early"]
-    elif strategy == "localsgd":
+    elif strategy in ("localsgd", "diloco"):
+        outer = "none" if strategy == "localsgd" else "nesterov(0.7, 0.9)"
         for c in counters:
             assert c["local_steps_per_round"] == 8
+            # every rank took the same outer step on every merged round
+            assert c["outer"] == counters[0]["outer"] and c["outer"]["spec"] == outer
+            assert 0 < c["outer"]["updates"] <= c["commits"]
             # the same H every round but the epoch joins' (a partial round, then empty ones)
             full = c["commits"] - c["join_rounds"]
             assert 8 * full <= c["local_steps"] <= 8 * c["commits"], c
             assert c["commits"] == counters[0]["commits"]     # one allreduce per round
+    elif strategy == "async-localsgd":
+        server, plan = counters[0]["server"], ranks[0]["plan"]["stages"]["AHL"]
+        profiled = [p["compute_s"] for p in ranks[0]["plan"]["profiles"]]
+        assert plan["local_steps"] == list(dylu_steps(profiled, 8))     # DyLU's H_i
+        assert plan["merge_weights"] == ["1/3"] * 3
+        # Delayed Nesterov on the server, n = 3 ranks; every merge went through it
+        assert counters[0]["outer"]["spec"] == "delayed-nesterov(0.7, 0.5, 3)"
+        assert counters[0]["outer"]["updates"] == server["merged"] > 0
+        assert server["waits"] == 0 and server["rejected_nonfinite"] == 0
+        for r, c in zip(ranks, counters):      # a commit after H_i local steps (the last may be partial)
+            h = plan["local_steps"][r["rank"]]
+            assert c["local_steps"] <= h * c["commits"] + 5, (h, c)   # + the profiling steps
     elif strategy in ("ssp", "asp", "adsp"):
         server = counters[0]["server"]
         assert server["rejected_nonfinite"] == 0 and server["rejected_invalid"] == 0

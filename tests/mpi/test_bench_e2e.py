@@ -2,6 +2,7 @@
 reported without ending the benchmark, and a small real comparison under mpirun."""
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -89,6 +90,59 @@ def test_speedups_and_table():
     assert "| bsp | 5.00 |" in md and "2.50x" in md and "> 15.00x" in md
     assert "| asp | missed |" in md and "| ssp | FAILED |" in md
     assert "70%" in md   # mean utilisation
+
+
+def test_seeds_combine_into_medians_with_their_range():
+    runs = [fake("ashl", 2.0, final_accuracy=0.95, utilization=[0.8, 0.4]),
+            fake("ashl", None, final_accuracy=0.90, utilization=[0.6, 0.2]),
+            fake("ashl", 1.0, final_accuracy=0.97, utilization=[0.9, 0.5])]
+    for r in runs:
+        r["run_dir"] = "x"
+    r = e2e.combine_seeds(runs)
+    # the missed seed counts as the slowest: the median of (1, 2, missed) is 2
+    assert r["time_to_target_s"] == 2.0 and r["time_to_target_range"] == [1.0, None]
+    assert r["missed_seeds"] == 1 and r["seeds_ok"] == 3
+    assert r["final_accuracy"] == 0.95 and r["final_accuracy_range"] == [0.90, 0.97]
+    assert r["utilization"] == [0.8, 0.4]
+    assert e2e._time_cell(r) == "2.00 [1.00-missed]"
+    two_missed = e2e.combine_seeds([dict(runs[1]), dict(runs[1]), dict(runs[2])])
+    assert two_missed["time_to_target_s"] is None            # most seeds missed
+    assert e2e.combine_seeds(runs[:1]) is runs[0]             # one seed: as it is
+    failed = e2e.combine_seeds([{"strategy": "ashl", "status": "failed", "error": "e",
+                                 "run_dir": "x"}] * 2)
+    assert failed["status"] == "failed" and failed["seeds_ok"] == 0
+
+
+def test_seeds_and_variants_are_checked_and_reach_the_command_line(tmp_path):
+    assert e2e.parse_seeds(None, 7) == [7] and e2e.parse_seeds("0,1,2", 7) == [0, 1, 2]
+    for text in ("0,x", "1,1", "-1", ","):
+        with pytest.raises(e2e.OptionError, match="--seeds"):
+            e2e.parse_seeds(text, 0)
+    assert e2e.run_dir_name("ashl+nesterov(0.7, 0.5)", 3, [3]) == "ashl+nesterov_0.7_0.5"
+    assert e2e.run_dir_name("ashl", 3, [2, 3]) == "ashl/seed3"
+    out = tmp_path / "e2e.json"
+    proc = bench("--ranks", "2", "--strategies", "ashl+delayed-nesterov(0.5, 0.5),diloco",
+                 "--seeds", "4,5", "--mpirun", "false", "--mpirun-args", "", "--json", out,
+                 timeout=60)
+    assert proc.returncode == 1
+    log = (tmp_path / "ashl+delayed-nesterov_0.5_0.5" / "seed5" / "log.txt").read_text()
+    assert "--strategy ashl --outer-optimizer 'delayed-nesterov(0.5, 0.5)'" in log
+    assert "--seed 5" in log
+    report = json.loads(out.read_text())
+    assert report["scenario"]["seeds"] == [4, 5]
+    assert [r["strategy"] for r in report["results"]] == ["ashl+delayed-nesterov(0.5, 0.5)",
+                                                          "diloco"]
+    assert [len(r["seeds"]) for r in report["results"]] == [2, 2]
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("bsp+nesterov", "bsp takes no outer optimizer"),
+    ("ashl+adam", "outer_optimizer 'adam'"),
+    ("nope+nesterov", "unknown 'nope+nesterov'"),
+])
+def test_a_bad_variant_is_an_option_error(text, needle):
+    with pytest.raises(e2e.OptionError, match=re.escape(needle)):
+        e2e.parse_strategies(text, [])
 
 
 def test_a_failing_launcher_is_reported_and_the_rest_still_runs(tmp_path):

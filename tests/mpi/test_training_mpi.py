@@ -66,6 +66,35 @@ def test_checkpoint_and_resume_continue_the_run(tmp_path):
     check_run_resumed(second, saved, saved_commits)
 
 
+def test_an_outer_optimizer_through_both_stages_and_a_resume_keeps_its_momentum(tmp_path):
+    """ashl with Delayed Nesterov on the server, dense AHL then top-k SHL with error feedback;
+    the checkpoint carries the momentum and the resumed run continues from it."""
+    ckpt, outer = tmp_path / "run.ckpt", "delayed-nesterov(0.5, 0.5)"
+    first = train(3, tmp_path / "first.json", "--outer-optimizer", outer, "--max-commits", "60",
+                  "--target-accuracy", "0.999", "--ahl-max-commits", "16", "--checkpoint", ckpt)
+    assert "commit budget" in first["events"][-1]["reason"]
+    saved = torch.load(ckpt, weights_only=False)
+    assert saved["outer"]["spec"] == "delayed-nesterov(0.5, 0.5, 3)"
+    assert saved["outer"]["updates"] > 0 and saved["outer"]["momentum"].abs().sum() > 0
+    saved_commits = {r: torch.load(f"{ckpt}.rank{r}", weights_only=False)["counters"]["commits"]
+                     for r in range(3)}
+
+    second = train(3, tmp_path / "second.json", "--outer-optimizer", outer, "--resume", ckpt,
+                   "--target-accuracy", "0.95", "--max-seconds", "60", "--ahl-max-commits", "16")
+    check_run_resumed(second, saved, saved_commits)
+    c = second["ranks"][0]["counters"]
+    # the outer optimizer's count went on from the checkpoint's: its state was loaded
+    assert c["outer"]["updates"] >= saved["outer"]["updates"] + 1
+    assert c["outer"]["updates"] - saved["outer"]["updates"] <= c["server"]["merged"]
+    assert "SHL" in [e["to"] for e in first["events"] + second["events"]]
+
+    # a resume that asks for another outer optimizer is refused on every rank, named
+    proc = mpirun(3, SCRIPT, tmp_path / "third.json", "--outer-optimizer", "nesterov", "--resume",
+                  ckpt, "--max-seconds", "30", timeout=120, check=False)
+    assert proc.returncode != 0
+    assert "was trained with outer_optimizer='delayed-nesterov(0.5, 0.5, 3)'" in proc.stderr
+
+
 def check_run_resumed(second, saved, saved_commits):
     ranks = second["ranks"]
     # every rank started from the checkpointed global model: the same accuracy on all

@@ -386,3 +386,46 @@ def test_shl_goes_dense_only_where_that_costs_no_commits():
     profiles = [RankProfile(compute_s=0.01, push_s=0.0015, pull_s=1e-5) for _ in range(3)]
     plan = make_plan(profiles, PlannerConfig(shl_target_ratio=0.1))
     assert plan.shl.k == 1 and plan.shl.ratios == (0.1, 0.1, 0.1)
+
+
+# --------------------------------------------------------------------------- DyLU
+
+
+@given(st.lists(st.floats(1e-4, 10.0), min_size=1, max_size=16), st.integers(1, 64))
+def test_dylu_steps_are_the_papers_formula(compute, h):
+    from ashl.planner import dylu_steps
+    import math
+    steps = dylu_steps(compute, h)
+    v = [1 / c for c in compute]
+    for c, s, vi in zip(compute, steps, v):
+        exact = vi / max(v) * h
+        assert s == max(1, math.floor(exact)) or (s == math.floor(exact) + 1
+                                                   and exact % 1 > 1 - 1e-6)
+        assert 1 <= s <= h
+    assert steps[compute.index(min(compute))] == h            # the fastest takes H
+    order = sorted(range(len(compute)), key=lambda i: compute[i])
+    assert all(steps[a] >= steps[b] for a, b in zip(order, order[1:]))   # slower: no more
+
+
+def test_dylu_steps_on_a_one_two_four_cluster():
+    from ashl.planner import dylu_steps
+    assert dylu_steps([0.01, 0.02, 0.04], 8) == (8, 4, 2)
+    assert dylu_steps([0.01, 0.03], 8) == (8, 2)
+    assert dylu_steps([0.01, 1.0], 8) == (8, 1)               # at least one step
+    with pytest.raises(ValueError, match="local_steps"):
+        dylu_steps([0.01], 0)
+    with pytest.raises(ValueError, match="compute_s"):
+        dylu_steps([0.01, 0.0], 8)
+
+
+def test_dylu_plan_shares_follow_the_steps_and_weights_are_one_over_n():
+    from ashl.planner import dylu_plan
+    profiles = [RankProfile(compute_s=c, push_s=0.001, pull_s=0.001) for c in (0.01, 0.02, 0.04)]
+    plan = dylu_plan(profiles, 8, reason="test")
+    for stage in (AHL, SHL):
+        p = plan.stage(stage)
+        assert p.local_steps == (8, 4, 2) and p.ratios == (1.0, 1.0, 1.0)
+        assert p.shares == (Fraction(8, 14), Fraction(4, 14), Fraction(2, 14))
+        assert p.merge_weights == (Fraction(1, 3),) * 3
+        assert p.round_s == pytest.approx(0.082)
+    assert Plan.from_json(plan.to_json()) == plan

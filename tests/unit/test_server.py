@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given, settings, strategies as st
 
 from ashl.compression import Compression
 from ashl.coordinator import Coordinator
@@ -204,3 +204,55 @@ def test_time_budget_releases_held_ranks_on_tick():
     s.clock.t += 10.0                # no commit arrives, but time runs out
     (r,) = s.tick()
     assert r.dest == 0 and r.header.flags & Flag.STOP and s.stopped
+
+
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 6), st.booleans(),
+                          st.integers(0, 2 ** 16)), min_size=1, max_size=10),
+       st.sampled_from(["nesterov(0.7, 0.9)", "delayed-nesterov(0.5, 0.8)"]))
+@settings(max_examples=40, deadline=None)
+def test_the_outer_optimizer_takes_the_weighted_damped_delta(commits, spec):
+    """The server hands its outer optimizer merge weight x staleness damping x delta (dense
+    or sparse): the global model is torch's Nesterov SGD (per update, or per round of 3
+    updates for Delayed Nesterov) on minus those updates."""
+    from ashl.outer import make_outer
+    s = server(staleness="polynomial(0.5)")
+    s.outer = make_outer(spec, N, round_updates=3)
+    damp = parse_staleness("polynomial(0.5)")
+    ref = torch.nn.Parameter(torch.zeros(N, dtype=torch.float64))
+    lr, b = s.outer.spec.lr, s.outer.spec.momentum
+    sgd = torch.optim.SGD([ref], lr=lr, momentum=b, nesterov=True)
+    every = 3 if spec.startswith("delayed") else 1
+    block = torch.zeros(N, dtype=torch.float64)
+    for i, (rank, age, as_sparse, seed) in enumerate(commits, start=1):
+        delta = torch.randn(N, generator=torch.Generator().manual_seed(seed))
+        base = max(0, s.version - age)
+        # the plan's weight now (a drift re-plan may change it) x the damping
+        weight = s.weight(rank, Stage.AHL) * damp(s.excess(s.version - base))
+        if as_sparse:
+            idx = sorted(torch.randperm(N, generator=torch.Generator().manual_seed(seed))[:4].tolist())
+            s.handle(*sparse(rank, idx, delta[idx], base=base))
+            full = torch.zeros(N)
+            full[idx] = delta[idx]
+            delta = full
+        else:
+            s.handle(*dense(rank, delta, base=base))
+        block += weight * delta.double()
+        if i % every == 0:
+            ref.grad = -block
+            sgd.step()
+            block.zero_()
+            torch.testing.assert_close(s.model.double(), ref.detach(), rtol=1e-4, atol=1e-5)
+    assert s.outer.updates == len(commits) == s.stats.merged
+
+
+def test_a_non_finite_delta_leaves_the_outer_momentum_alone():
+    from ashl.outer import make_outer
+    s = server()
+    s.outer = make_outer("nesterov(0.7, 0.9)", N, round_updates=3)
+    s.handle(*dense(0, torch.ones(N)))
+    model, momentum = s.model.clone(), s.outer.momentum.clone()
+    bad = torch.ones(N)
+    bad[3] = math.inf
+    s.handle(*dense(1, bad))
+    assert torch.equal(s.model, model) and torch.equal(s.outer.momentum, momentum)
+    assert s.stats.rejected_nonfinite == 1 and s.outer.updates == 1

@@ -70,6 +70,31 @@ def test_every_rank_ends_with_the_same_model_after_the_same_rounds(strategy):
         assert all(r["plan"] == results[0]["plan"] for r in results)
 
 
+def test_diloco_takes_the_outer_nesterov_step_on_the_average_parameters_only():
+    """One round (3 commits on 3 ranks) from the same start: localsgd ends at W0 + u, diloco
+    with nesterov(lr, b) at W0 + lr (1 + b) u on the parameters (the momentum's first step is
+    u) and at W0 + u on the BatchNorm buffers, on every rank."""
+    def run(strategy, **extra):
+        def rank_fn(comm, hvd):
+            model, x, y = model_and_data(comm.Get_rank())
+            opt = wrapped(strategy, comm, hvd, model, local_steps=4,
+                          stage_config=StageConfig(max_commits=3), **extra)
+            return train(opt, model, x, y)
+        return FakeWorld(3).run(rank_fn)
+
+    w0 = torch.cat([t.reshape(-1) for t in model_and_data(0)[0].state_dict().values()
+                    if t.is_floating_point()])
+    plain = run("localsgd")
+    outer = run("diloco", outer_optimizer="nesterov(0.5, 0.6)")
+    params = 4 * 3 + 3 + 3 + 3        # Linear(4, 3) and BatchNorm1d(3)'s weight and bias
+    u = plain[0]["flat"] - w0
+    expected = torch.cat([w0[:params] + 0.5 * 1.6 * u[:params], w0[params:] + u[params:]])
+    for r in outer:
+        torch.testing.assert_close(r["flat"], expected, rtol=1e-5, atol=1e-6)
+        assert r["counters"]["outer"] == {"spec": "nesterov(0.5, 0.6)", "updates": 1}
+    assert plain[0]["counters"]["outer"] == {"spec": "none", "updates": 1}
+
+
 def test_a_rank_that_leaves_early_stops_the_others_on_the_same_round():
     def rank_fn(comm, hvd):
         model, x, y = model_and_data(comm.Get_rank())

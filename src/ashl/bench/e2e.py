@@ -28,9 +28,11 @@ import json
 import math
 import os
 import platform
+import re
 import shlex
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -38,7 +40,8 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from ..cli import (OptionError, add_run_options, check_factor_count, check_run_options,
-                   error_line, format_factors, parse_factors, parse_link, parse_strategies)
+                   error_line, format_factors, parse_factors, parse_link, parse_strategies,
+                   split_variant)
 from ..emulation import DEFAULT_LINK
 from ..launch_env import launch_env
 from ..strategies import STRATEGIES
@@ -64,7 +67,11 @@ def default_strategies() -> list[str]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--strategies", default=None,
                    help=f"comma-separated (default: those of {','.join(DEFAULT_ORDER)} that exist; "
-                        f"now {','.join(default_strategies())})")
+                        f"now {','.join(default_strategies())}); STRATEGY+SPEC runs it with that "
+                        "outer optimizer, e.g. 'ashl+delayed-nesterov(0.7, 0.5)'")
+    p.add_argument("--seeds", default=None, metavar="S0,S1,...",
+                   help="run every strategy once per seed; the table shows medians [min-max] "
+                        "(default: --seed alone)")
     p.add_argument("--ranks", type=int, default=4)
     add_run_options(p, max_seconds=60.0, target_accuracy=DEFAULT_TARGET,
                     factors_default="default 1,1,2,4 on 4 ranks (see default_factors for "
@@ -130,9 +137,12 @@ def _mpi_env() -> dict:
 
 
 def train_command(args, strategy: str, run_dir: str, compute: Sequence[float],
-                  link: Sequence[float], hosts=None) -> list[str]:
-    """The launcher command of one run. With `hosts` (--netns): mpirun across the emulated
-    hosts, started on host 0, and no emulated link (the links are real)."""
+                  link: Sequence[float], hosts=None, seed: Optional[int] = None) -> list[str]:
+    """The launcher command of one run (`strategy` may be STRATEGY+OUTER_SPEC). With `hosts`
+    (--netns): mpirun across the emulated hosts, started on host 0, and no emulated link
+    (the links are real)."""
+    strategy, outer = split_variant(strategy)
+    seed = args.seed if seed is None else seed
     if hosts is None:
         launch = shlex.split(args.mpirun_args)
         if args.hostfile is not None:
@@ -144,11 +154,12 @@ def train_command(args, strategy: str, run_dir: str, compute: Sequence[float],
     cmd = [args.mpirun, "-np", str(args.ranks), *launch,
            "-x", "OMP_NUM_THREADS", "-x", "PYTHONPATH", "-x", "PYTHONUNBUFFERED",
            sys.executable, "-m", "ashl.train", "--strategy", strategy,
+           *([] if outer is None else ["--outer-optimizer", outer]),
            "--model", args.model, "--dataset", args.dataset,
            "--compute-slowdown", format_factors(compute)]
     if hosts is None:
         cmd += ["--link-slowdown", format_factors(link)]
-    cmd += ["--max-seconds", f"{args.max_seconds:g}", "--seed", str(args.seed),
+    cmd += ["--max-seconds", f"{args.max_seconds:g}", "--seed", str(seed),
             "--batch-size", str(args.batch_size), "--lr", f"{args.lr:g}",
             "--out", run_dir, "--no-progress"]
     if args.link_base and hosts is None:
@@ -177,7 +188,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 
 def run_strategy(args, strategy: str, run_dir: str, compute, link, timeout: float,
-                 hosts=None, train_dir: Optional[str] = None) -> dict:
+                 hosts=None, train_dir: Optional[str] = None, seed: Optional[int] = None) -> dict:
     """One strategy's run. ashl.train writes into `train_dir` (default run_dir; with --netns a
     folder under /var/tmp that every host sees), copied into run_dir when the run ends."""
     os.makedirs(run_dir, exist_ok=True)
@@ -188,14 +199,14 @@ def run_strategy(args, strategy: str, run_dir: str, compute, link, timeout: floa
     if train_dir != run_dir:
         shutil.rmtree(train_dir, ignore_errors=True)
         os.makedirs(train_dir)
-    cmd = train_command(args, strategy, train_dir, compute, link, hosts)
+    cmd = train_command(args, strategy, train_dir, compute, link, hosts, seed)
     log_path = os.path.join(run_dir, "log.txt")
     t0 = time.monotonic()
     status, error = launch(cmd, log_path, timeout, copy_back=(train_dir, run_dir))
     if status == "ok" and not os.path.exists(summary_path):
         status, error = "failed", "no summary.json"
     result = {"strategy": strategy, "status": status, "launch_s": round(time.monotonic() - t0, 2),
-              "run_dir": run_dir}
+              "run_dir": run_dir, "seed": args.seed if seed is None else seed}
     if status != "ok":
         result["error"] = f"{error}; last lines of {log_path}:\n" + _tail(log_path, 15)
         rows = _metrics(run_dir)
@@ -293,10 +304,7 @@ def table(results: Sequence[dict], target: float, of: Optional[str],
             row = [r["strategy"], r["status"].upper()] + [""] * (len(head) - 2)
         else:
             util = r.get("utilization") or []
-            ttt = r.get("time_to_target_s")
-            row = [r["strategy"],
-                   "missed" if ttt is None else f"{ttt:.2f}",
-                   "-" if r.get("final_accuracy") is None else f"{r['final_accuracy']:.4f}",
+            row = [r["strategy"], _time_cell(r), _accuracy_cell(r),
                    f"{sum(util) / len(util):.0%}" if util else "-",
                    f"{min(util):.0%}" if util else "-",
                    f"{(r.get('bytes_sent') or 0) / 1e6:.1f}",
@@ -313,6 +321,22 @@ def table(results: Sequence[dict], target: float, of: Optional[str],
                     row.append("-")
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
+
+
+def _time_cell(r: dict) -> str:
+    ttt, span = r.get("time_to_target_s"), r.get("time_to_target_range")
+    text = "missed" if ttt is None else f"{ttt:.2f}"
+    if span:
+        lo, hi = ("missed" if x is None else f"{x:.2f}" for x in span)
+        text += f" [{lo}-{hi}]"
+    return text
+
+
+def _accuracy_cell(r: dict) -> str:
+    if r.get("final_accuracy") is None:
+        return "-"
+    span = r.get("final_accuracy_range")
+    return f"{r['final_accuracy']:.4f}" + (f" [{span[0]:.4f}-{span[1]:.4f}]" if span else "")
 
 
 def plot(results: Sequence[dict], path: str, target: float, title: str) -> None:
@@ -438,6 +462,7 @@ class _no_hosts:
 class Setup:
     """The benchmark's checked options: what runs, on which emulated cluster."""
     names: list[str]                # the strategies, in order
+    seeds: list[int]                # each strategy runs once per seed
     compute: list[float]            # per-rank compute slowdown
     link: list[float]               # per-rank link slowdown
     timeout: float                  # seconds before a run is killed
@@ -464,7 +489,20 @@ def check(args) -> Setup:
     if not (math.isfinite(timeout) and timeout > 0):
         raise OptionError(f"--timeout {timeout:g}: must be a finite number > 0")
     rates = _netns_rates(args, link) if args.netns else None
-    return Setup(names, compute, link, timeout, rates)
+    return Setup(names, parse_seeds(args.seeds, args.seed), compute, link, timeout, rates)
+
+
+def parse_seeds(text: Optional[str], seed: int) -> list[int]:
+    """--seeds '0,1,2' -> [0, 1, 2]; None: [seed]. Each a distinct integer >= 0."""
+    if text is None:
+        return [seed]
+    try:
+        seeds = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise OptionError(f"--seeds {text!r}: expected comma-separated integers") from None
+    if not seeds or min(seeds) < 0 or len(set(seeds)) != len(seeds):
+        raise OptionError(f"--seeds {text!r}: expected distinct integers >= 0")
+    return seeds
 
 
 def check_hostfile(args) -> None:
@@ -487,7 +525,7 @@ def scenario(args, setup: Setup) -> dict:
         "link_base": (None if args.netns else
                       args.link_base or f"{DEFAULT_LINK.latency_s:g},{DEFAULT_LINK.bytes_per_s:g}"),
         "netns": bool(args.netns),
-        "model": args.model, "dataset": args.dataset, "seed": args.seed,
+        "model": args.model, "dataset": args.dataset, "seed": args.seed, "seeds": setup.seeds,
         "batch_size": args.batch_size, "lr": args.lr,
         "target_accuracy": args.target_accuracy, "max_seconds": args.max_seconds,
         "stop_at_target": not args.full_budget, "timeout_s": setup.timeout,
@@ -517,29 +555,82 @@ def announce(args, setup: Setup) -> None:
               "(tbf on both ends)", flush=True)
 
 
+def run_dir_name(name: str, seed: int, seeds: Sequence[int]) -> str:
+    """A run's folder: the strategy's name made path-safe, and its seed when there are several."""
+    safe = re.sub(r"[^A-Za-z0-9.+-]+", "_", name).strip("_")
+    return safe if len(seeds) == 1 else os.path.join(safe, f"seed{seed}")
+
+
 def run_all(args, setup: Setup, out: str) -> list[dict]:
-    """Every strategy in turn (on --netns hosts made for the occasion); one line each."""
+    """Every strategy in turn, once per seed (on --netns hosts made for the occasion); one
+    line per run; a result per strategy (its seeds combined)."""
     results = []
     hosts_made = _NetnsHosts(args.ranks, setup.rates) if args.netns else _no_hosts()
     with hosts_made as (hosts, work):
         for name in setup.names:
-            train_dir = os.path.join(work, "runs", name) if work else None
-            t0 = time.monotonic()
-            r = run_strategy(args, name, os.path.join(out, name), setup.compute, setup.link,
-                             setup.timeout, hosts, train_dir)
-            if hosts is not None:
-                stray = hosts.stop_processes()
-                if stray:
-                    r["stray_pids_stopped"] = len(stray)
-            results.append(r)
-            if r["status"] == "ok":
-                ttt = r.get("time_to_target_s")
-                print(f"  {name:10s} time to target {'missed' if ttt is None else f'{ttt:.2f} s'}, "
-                      f"final accuracy {r['final_accuracy']:.4f} ({time.monotonic() - t0:.0f} s "
-                      f"with start-up)", flush=True)
-            else:
-                print(f"  {name:10s} {r['status'].upper()}: {r['error']}", flush=True)
+            runs = []
+            for seed in setup.seeds:
+                sub = run_dir_name(name, seed, setup.seeds)
+                train_dir = os.path.join(work, "runs", sub) if work else None
+                t0 = time.monotonic()
+                r = run_strategy(args, name, os.path.join(out, sub), setup.compute, setup.link,
+                                 setup.timeout, hosts, train_dir, seed)
+                if hosts is not None:
+                    stray = hosts.stop_processes()
+                    if stray:
+                        r["stray_pids_stopped"] = len(stray)
+                runs.append(r)
+                _print_run(name, seed, r, time.monotonic() - t0)
+            results.append(combine_seeds(runs))
     return results
+
+
+def _print_run(name: str, seed: int, r: dict, seconds: float) -> None:
+    if r["status"] == "ok":
+        ttt = r.get("time_to_target_s")
+        print(f"  {name:10s} seed {seed}: time to target "
+              f"{'missed' if ttt is None else f'{ttt:.2f} s'}, final accuracy "
+              f"{r['final_accuracy']:.4f} ({seconds:.0f} s with start-up)", flush=True)
+    else:
+        print(f"  {name:10s} seed {seed}: {r['status'].upper()}: {r['error']}", flush=True)
+
+
+def combine_seeds(runs: Sequence[dict]) -> dict:
+    """One strategy's seeds as one result: medians of every figure, with [min, max] of the
+    time to target and the final accuracy; a seed that missed the target counts as slower
+    than every seed that reached it (the median is "missed" if half or more missed). A
+    single run is returned as it is."""
+    if len(runs) == 1:
+        return runs[0]
+    ok = [r for r in runs if r["status"] == "ok"]
+    first = ok[0] if ok else runs[0]
+    out = {"strategy": first["strategy"], "status": "ok" if ok else first["status"],
+           "run_dir": first["run_dir"], "seeds": list(runs),
+           "seeds_ok": len(ok), "seeds_run": len(runs)}
+    if not ok:
+        out["error"] = first.get("error")
+        return out
+    inf = float("inf")
+    times = sorted(inf if r.get("time_to_target_s") is None else r["time_to_target_s"]
+                   for r in ok)
+    mid = statistics.median(times)
+    out["time_to_target_s"] = None if mid == inf else mid
+    out["time_to_target_range"] = [times[0] if times[0] < inf else None,
+                                   times[-1] if times[-1] < inf else None]
+    out["missed_seeds"] = sum(t == inf for t in times)
+    accs = [r["final_accuracy"] for r in ok if r.get("final_accuracy") is not None]
+    if accs:
+        out["final_accuracy"] = statistics.median(accs)
+        out["final_accuracy_range"] = [min(accs), max(accs)]
+    for key in ("bytes_sent", "commits", "local_steps", "wall_s"):
+        values = [r[key] for r in ok if r.get(key) is not None]
+        if values:
+            out[key] = statistics.median(values)
+    utils = [r["utilization"] for r in ok if r.get("utilization")]
+    if utils:
+        out["utilization"] = [statistics.median(u) for u in zip(*utils)]
+    out["stop_reason"] = first.get("stop_reason")
+    return out
 
 
 def write_report(args, setup: Setup, sc: dict, results: list[dict], json_path: str) -> None:
@@ -554,7 +645,8 @@ def write_report(args, setup: Setup, sc: dict, results: list[dict], json_path: s
         json.dump(report, f, indent=1)
     md = table(results, args.target_accuracy, of, exact, at_least)
     scen = (f"{sc['name']}: {args.ranks} ranks, compute x{format_factors(setup.compute)}, "
-            f"{_links_text(args, setup)}, {args.model}/{args.dataset}, seed {args.seed}")
+            f"{_links_text(args, setup)}, {args.model}/{args.dataset}, "
+            f"seed{'s' if len(setup.seeds) > 1 else ''} {','.join(map(str, setup.seeds))}")
     stem = os.path.splitext(json_path)[0]
     with open(stem + ".md", "w") as f:
         f.write(f"# ashl e2e ({scen})\n\n{md}\n")

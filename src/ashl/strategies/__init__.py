@@ -3,7 +3,9 @@
 ASHL: "ashl" (parameter server) and "ashl-sync" (allreduce). Baselines: "bsp" (Horovod's
 DistributedOptimizer), "localsgd" (model averaging every H steps), "ssp" and "asp" (one step
 per commit through the parameter server, bounded / no staleness), "adsp" (time-based
-commits, online commit-rate search).
+commits, online commit-rate search). The 2024 rivals: "diloco" (localsgd with an outer
+Nesterov step) and "async-localsgd" (per-rank H from speed, asynchronous commits, Delayed
+Nesterov on the server). Every strategy but bsp takes ``outer_optimizer=`` (outer.py).
 
 Where things live: base.py (the control plane every strategy shares), control.py (the
 synchronous strategies' allreduced control numbers and decisions), parameter_server.py (the
@@ -23,9 +25,11 @@ _REGISTRY = {
     "ssp": (".ps_baselines", "SspStrategy"),
     "asp": (".ps_baselines", "AspStrategy"),
     "adsp": (".adsp", "AdspStrategy"),
+    "diloco": (".diloco", "DilocoStrategy"),
+    "async-localsgd": (".async_localsgd", "AsyncLocalSgdStrategy"),
 }
 STRATEGIES = tuple(_REGISTRY)
-BASELINES = ("bsp", "localsgd", "ssp", "asp", "adsp")
+BASELINES = ("bsp", "localsgd", "ssp", "asp", "adsp", "diloco", "async-localsgd")
 
 
 def strategy_class(name: str):

@@ -8,7 +8,9 @@ A round on rank i: H_i local steps (the plan's), then
     anchors += flat[:numel]; params = anchors         # kernels.unpack_add, one fused pass
 
 so every rank ends the round holding the same model ``anchor + sum_i w_i delta_i`` (w_i: the
-plan's merge weights of the stage). There is no coordinator at run time: every rank owns a
+plan's merge weights of the stage). With an outer optimizer (``outer_optimizer=``, outer.py;
+``diloco``'s Nesterov) every rank applies the same outer step to that sum instead, from the
+same momentum, so the ranks stay equal. There is no coordinator at run time: every rank owns a
 StageMachine and feeds it the same allreduced control numbers (``control.decide``), so all
 ranks switch AHL -> SHL and stop on the same round. The control rank (0) evaluates the
 merged model after a round; the accuracy travels in the next round's slots, and if the run
@@ -42,8 +44,9 @@ from typing import Optional
 import torch
 
 from .. import kernels
-from ..compression import check_compression
+from ..compression import Payload, check_compression
 from ..coordinator import DriftConfig, MPICoordinator
+from ..outer import PlainMerge, make_outer
 from ..planner import PlannerConfig
 from ..stages import Stage, StageConfig, StageMachine
 from .base import Strategy
@@ -61,8 +64,10 @@ class ModelAveragingStrategy(Strategy):
     """Rounds that end in one allreduce of weighted deltas and the control slots."""
 
     accepts_compression = ("none",)
+    default_outer = "none"          # outer_optimizer=None: this (outer.py)
 
     def __init__(self, model, params, *, sampler=None, comm=None, compression=None,
+                 outer_optimizer: Optional[str] = None,
                  planner_config: Optional[PlannerConfig] = None,
                  stage_config: Optional[StageConfig] = None,
                  drift_config: Optional[DriftConfig] = None,
@@ -82,6 +87,12 @@ class ModelAveragingStrategy(Strategy):
         self.slots = ControlSlots(self.size)
         self.flat = torch.zeros(self.numel + self.slots.count, dtype=torch.float32,
                                 device=self.tensors[0].device)
+        # delayed-nesterov's n defaults to 1: a round is one merged update
+        self.outer = make_outer(self.default_outer if outer_optimizer is None else outer_optimizer,
+                                self.numel, round_updates=1, device=self.flat.device,
+                                params_numel=self.params_numel)
+        self.outer_update = None if isinstance(self.outer, PlainMerge) else torch.empty_like(
+            self.flat[:self.numel])
         self.anchors: Optional[list[torch.Tensor]] = None
         self.plan_t = 0.0                    # seconds since t0 when the plan was made
         self.pending_accuracy: Optional[float] = None   # control rank: not yet sent
@@ -182,6 +193,11 @@ class ModelAveragingStrategy(Strategy):
                         self.name, self.commits)
         if keep_evaluated or not finite:
             delta.zero_()
+        elif self.outer_update is not None:      # the outer step, as a change of the anchors
+            self.outer.step(self.outer_update.zero_(), Payload.dense(delta), 1.0)
+            delta = self.outer_update
+        else:
+            self.outer.updates += 1              # the plain merge is unpack_add itself
         kernels.unpack_add(self.tensors, self.anchors, delta)
         return finite and not keep_evaluated
 
@@ -197,5 +213,6 @@ class ModelAveragingStrategy(Strategy):
 
     def counters(self) -> dict:
         c = super().counters()
-        c.update(rounds=self.commits, idle_s=self.idle_s, join_rounds=self.join_rounds)
+        c.update(rounds=self.commits, idle_s=self.idle_s, join_rounds=self.join_rounds,
+                 outer={"spec": str(self.outer.spec), "updates": self.outer.updates})
         return c

@@ -127,6 +127,8 @@ class Strategy:
         self.model = model
         self.names, self.tensors = model_state(model, params)
         self.numel = kernels.flat_numel(self.tensors)
+        # the parameters come first in the flat model, then the floating-point buffers
+        self.params_numel = kernels.flat_numel(self.tensors[:len(params)])
         self.sampler = sampler
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         if not 0 <= control_rank < self.size:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 from fractions import Fraction
 
-from ..planner import uniform_plan
+from ..planner import check_local_steps, uniform_plan
 from ..stages import Stage, StageConfig
 from .averaging import ModelAveragingStrategy
 
@@ -32,8 +32,7 @@ class LocalSgdStrategy(ModelAveragingStrategy):
     single_stage = True
 
     def __init__(self, model, params, *, local_steps: int = 8, stage_config=None, **kwargs):
-        if isinstance(local_steps, bool) or not isinstance(local_steps, int) or local_steps < 1:
-            raise ValueError(f"local_steps must be an integer >= 1, got {local_steps!r}")
+        check_local_steps(local_steps)
         for ignored in ("profile_steps", "planner_config", "drift_config"):
             kwargs.pop(ignored, None)   # nothing to profile or plan
         config = dataclasses.replace(StageConfig() if stage_config is None else stage_config,
@@ -51,7 +50,10 @@ class LocalSgdStrategy(ModelAveragingStrategy):
         """No profiling and nothing to measure: every rank builds the same fixed plan;
         training (and max_seconds) counts from the start."""
         self.adopt_plan(uniform_plan(self.size, self.H, Fraction(1, self.size),
-                                     reason=f"localsgd: fixed plan, H={self.H}, model averaging"))
+                                     reason=self.plan_reason()))
+
+    def plan_reason(self) -> str:
+        return f"{self.name}: fixed plan, H={self.H}, model averaging"
 
     def counters(self) -> dict:
         c = super().counters()

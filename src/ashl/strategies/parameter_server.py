@@ -3,8 +3,8 @@
 How they communicate: after its round a rank packs its delta (params - anchors, plus any
 error-feedback residual) through a ``Compressor`` into the send buffer and commits it with
 ``client.ServerClient``; the server thread on ``server_rank`` merges it into the global model
-(``server.ParameterServer``: merge weight x staleness damping, non-finite guard, SHL's
-staleness bound) and answers with the global model, which becomes the rank's parameters and
+(``server.ParameterServer``: merge weight x staleness damping, the outer optimizer,
+non-finite guard, SHL's staleness bound) and answers with the global model, which becomes the rank's parameters and
 anchors. Stage and stop decisions are the server's coordinator's; they reach a rank with the
 reply to its commit. The server rank evaluates after its own commits.
 
@@ -23,6 +23,8 @@ from .. import checkpoint, kernels
 from ..client import Commit, Reply, ServerClient
 from ..compression import Compression, Compressor, Residual, check_compression
 from ..coordinator import DriftConfig, MPICoordinator
+from ..outer import make_outer
+from ..outer_spec import parse_outer, resolve_outer
 from ..planner import Plan, PlannerConfig
 from ..server import ParameterServer, ServerThread
 from ..stages import Stage, StageConfig
@@ -38,10 +40,11 @@ class ServerStrategy(Strategy):
     parameter server."""
 
     accepts_compression = ("none", "fp16", "topk")
+    default_outer = "none"          # outer_optimizer=None: this (outer.py)
 
     def __init__(self, model, params, *, sampler=None, comm=None, compression=None,
                  staleness: str = "polynomial(0.5)", bound: int = 3, server_rank: int = 0,
-                 downlink: torch.dtype = torch.float32,
+                 downlink: torch.dtype = torch.float32, outer_optimizer: Optional[str] = None,
                  planner_config: Optional[PlannerConfig] = None,
                  stage_config: Optional[StageConfig] = None,
                  drift_config: Optional[DriftConfig] = None,
@@ -67,6 +70,8 @@ class ServerStrategy(Strategy):
                                    heterogeneity=self.hetero, poll_s=poll_s,
                                    server_error=self._server_error)
         self.staleness, self.bound, self.downlink = staleness, bound, downlink
+        self.outer_spec = parse_outer(self.default_outer if outer_optimizer is None
+                                      else outer_optimizer)
         self.poll_s = poll_s
         self.anchors: Optional[list[torch.Tensor]] = None
         self.residual = Residual(self.tensors) if all(
@@ -123,9 +128,12 @@ class ServerStrategy(Strategy):
             self._start_from_checkpoint()
 
     def _start_server(self, model: torch.Tensor) -> None:
+        # delayed-nesterov's n defaults to one round: one commit of every rank
+        outer = make_outer(self.outer_spec, self.numel, round_updates=self.size,
+                           params_numel=self.params_numel)
         server = ParameterServer(model, self.size, self.mc.coordinator, rank=self.rank,
                                  staleness=self.staleness, bound=self.bound,
-                                 downlink=self.downlink)
+                                 downlink=self.downlink, outer=outer)
         self.server = ServerThread(server, self.wire, poll_s=self.poll_s, lock=self.mc.lock)
 
     def _exchange(self, final: bool = False) -> None:
@@ -223,6 +231,7 @@ class ServerStrategy(Strategy):
             with self.mc.lock:
                 run = {"format": checkpoint.FORMAT, "strategy": self.name, "size": self.size,
                        "numel": self.numel, "global_model": self.server.server.model.clone(),
+                       "outer": self.server.server.outer.state_dict(),
                        "version": self.server.server.version,
                        "plan": self.mc.coordinator.plan.to_dict(),
                        "stage": self.mc.coordinator.stage.value,
@@ -244,6 +253,11 @@ class ServerStrategy(Strategy):
         if run.get("numel") != self.numel:
             raise ValueError(f"checkpoint {path} holds a model of {run.get('numel')} elements; "
                              f"this model has {self.numel}")
+        saved = (run.get("outer") or {"spec": "none"})["spec"]
+        mine = str(resolve_outer(self.outer_spec, self.size))
+        if saved != mine:
+            raise ValueError(f"checkpoint {path} was trained with outer_optimizer={saved!r}; "
+                             f"this run asks for {mine!r}")
         own = checkpoint.load(checkpoint.rank_path(path, self.rank))
         optimizer.load_state_dict(own["optimizer"])
         kernels.unpack_assign(self.tensors, [t.clone() for t in self.tensors],
@@ -264,6 +278,8 @@ class ServerStrategy(Strategy):
         if self.is_server:
             self.mc.coordinator.resume(plan, stage)
             self._start_server(run["global_model"].clone())
+            if run.get("outer") is not None:     # checked in load_checkpoint
+                self.server.server.outer.load_state_dict(run["outer"])
             self.server.server.version = int(run.get("version", 0))
             self.server.start()
         self.version = int(run.get("version", 0))
@@ -279,4 +295,6 @@ class ServerStrategy(Strategy):
         if self.server is not None:
             with self.mc.lock:     # the server thread appends to its stats under the lock
                 c["server"] = self.server.server.stats.to_dict()
+                outer = self.server.server.outer
+                c["outer"] = {"spec": str(outer.spec), "updates": outer.updates}
         return c

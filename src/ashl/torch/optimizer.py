@@ -120,12 +120,15 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     sampler: a HeterogeneousSampler; it receives the plan's data shares.
     strategy: "ashl" (parameter server, AHL then SHL) or "ashl-sync" (the same per-rank
         local steps, each round ending in one hvd.allreduce_), or a baseline: "bsp"
-        (Horovod's own DistributedOptimizer underneath), "localsgd", "ssp", "asp", "adsp"
-        (see ashl.strategies).
+        (Horovod's own DistributedOptimizer underneath), "localsgd", "ssp", "asp", "adsp",
+        "diloco", "async-localsgd" (see ashl.strategies).
     staleness: SHL's bound s (a rank at most s commits ahead of the slowest); strategy
         "ssp": its bound.
-    config: strategy options (profile_steps, staleness_fn, server_rank, planner_config,
-        stage_config, drift_config, evaluate, eval_every_s, heterogeneity).
+    config: strategy options (outer_optimizer: "none", "nesterov(lr, momentum)" or
+        "delayed-nesterov(lr, momentum, n)", applied to the merged deltas (ashl.outer);
+        local_steps for localsgd, diloco and async-localsgd; profile_steps, staleness_fn,
+        server_rank, planner_config, stage_config, drift_config, evaluate, eval_every_s,
+        heterogeneity).
 
     ``finish()`` is optional: a rank leaves the run by itself when the interpreter exits
     (before MPI is finalised), and every rank ends with the final global model.
@@ -173,6 +176,10 @@ def _strategy_options(strategy: str, staleness, config: dict) -> dict:
     if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
         raise ValueError(f"staleness must be an integer >= 0, got {staleness!r}")
     kwargs = dict(config)
+    if strategy == "bsp" and kwargs.get("outer_optimizer") is not None:
+        raise ValueError("outer_optimizer: strategy 'bsp' averages gradients every step "
+                         "(Horovod's DistributedOptimizer); an outer optimizer needs a strategy "
+                         "that merges model deltas (ashl, ashl-sync, diloco, async-localsgd, ...)")
     if "staleness_fn" in kwargs:
         if strategy != "ashl":
             raise ValueError(f"staleness_fn applies to strategy='ashl', not {strategy!r}")

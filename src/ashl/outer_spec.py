@@ -1,0 +1,84 @@
+"""How an outer optimizer is spelled (``outer_optimizer=``, ``--outer-optimizer``), parsed and
+checked; the rules themselves are outer.py's. Pure: no torch, so the command lines can check
+a spelling before anything starts.
+
+    none | nesterov | nesterov(lr, momentum)
+         | delayed-nesterov | delayed-nesterov(lr, momentum) | delayed-nesterov(lr, momentum, n)
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+__all__ = ["OuterSpec", "parse_outer", "resolve_outer", "DEFAULT_LR", "DEFAULT_MOMENTUM"]
+
+DEFAULT_LR, DEFAULT_MOMENTUM = 0.7, 0.9     # DiLoCo's outer Nesterov (Douillard et al.)
+_SPEC = re.compile(r"^\s*(none|nesterov|delayed-nesterov)\s*(?:\(([^)]*)\))?\s*$")
+_ARITY = {"none": 0, "nesterov": 2, "delayed-nesterov": 3}
+
+
+@dataclass(frozen=True)
+class OuterSpec:
+    kind: str = "none"
+    lr: float = DEFAULT_LR
+    momentum: float = DEFAULT_MOMENTUM
+    n: Optional[int] = None          # delayed-nesterov: None = the updates of one round
+
+    def __str__(self) -> str:
+        if self.kind == "none":
+            return "none"
+        if self.kind == "nesterov":
+            return f"nesterov({self.lr:g}, {self.momentum:g})"
+        n = "" if self.n is None else f", {self.n}"
+        return f"delayed-nesterov({self.lr:g}, {self.momentum:g}{n})"
+
+
+def parse_outer(spec: "str | OuterSpec | None") -> OuterSpec:
+    """``"none"``, ``"nesterov"`` / ``"nesterov(lr, momentum)"``, ``"delayed-nesterov"`` /
+    ``"delayed-nesterov(lr, momentum)"`` / ``"delayed-nesterov(lr, momentum, n)"``;
+    arguments left out take DiLoCo's lr 0.7, momentum 0.9 and n = one round's updates."""
+    if spec is None:
+        return OuterSpec()
+    if isinstance(spec, OuterSpec):
+        return spec
+    m = _SPEC.match(str(spec))
+    if not m:
+        raise ValueError(f"outer_optimizer {spec!r}: expected none, nesterov(lr, momentum) or "
+                         "delayed-nesterov(lr, momentum, n)")
+    kind, text = m.group(1), m.group(2)
+    args = [x.strip() for x in (text or "").split(",")] if text is not None else []
+    if args == [""]:
+        args = []
+    if kind == "none" and args:
+        raise ValueError(f"outer_optimizer {spec!r}: none takes no arguments")
+    if args and len(args) not in (2, _ARITY[kind]):
+        raise ValueError(f"outer_optimizer {spec!r}: {kind} takes (lr, momentum)"
+                         + (" or (lr, momentum, n)" if kind == "delayed-nesterov" else ""))
+    try:
+        values = [float(x) for x in args[:2]]
+    except ValueError:
+        raise ValueError(f"outer_optimizer {spec!r}: lr and momentum must be numbers") from None
+    lr, momentum = values if values else (DEFAULT_LR, DEFAULT_MOMENTUM)
+    if not (math.isfinite(lr) and lr > 0):
+        raise ValueError(f"outer_optimizer {spec!r}: lr must be a finite number > 0")
+    if not (math.isfinite(momentum) and 0 <= momentum < 1):
+        raise ValueError(f"outer_optimizer {spec!r}: momentum must be in [0, 1)")
+    n = None
+    if len(args) == 3:
+        try:
+            n = int(args[2])
+        except ValueError:
+            n = 0
+        if n < 1 or str(n) != args[2]:
+            raise ValueError(f"outer_optimizer {spec!r}: n must be an integer >= 1")
+    return OuterSpec(kind, lr, momentum, n)
+
+
+def resolve_outer(spec: "str | OuterSpec | None", round_updates: int) -> OuterSpec:
+    """`spec` with delayed-nesterov's n filled in: the `round_updates` updates of a round."""
+    spec = parse_outer(spec)
+    if spec.kind == "delayed-nesterov" and spec.n is None:
+        spec = OuterSpec(spec.kind, spec.lr, spec.momentum, int(round_updates))
+    return spec
