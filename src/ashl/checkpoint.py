@@ -36,6 +36,33 @@ def atomic_save(obj: Any, path: str) -> None:
             os.unlink(tmp)
 
 
+def check_run(run: dict, path: str, strategy: str, size: int, numel: int) -> None:
+    """A run file must come from a job like this one: the same rank count and model size
+    (every rank checks, before any starts, so a mismatch stops them all alike)."""
+    if run.get("size") != size:
+        raise ValueError(f"checkpoint {path} is of a {run.get('size')}-rank run; "
+                         f"this job has {size} ranks")
+    if run.get("numel") != numel:
+        raise ValueError(f"checkpoint {path} holds a model of {run.get('numel')} elements; "
+                         f"this model has {numel}")
+    if run.get("strategy", strategy) != strategy:
+        raise ValueError(f"checkpoint {path} is of strategy {run.get('strategy')!r}; this run "
+                         f"is {strategy!r}")
+
+
+def save_rank(path: str, rank: int, optimizer, counters: dict, epoch: int, **extra) -> None:
+    """This rank's own part: its optimizer state, counters and epoch (``path.rank<r>``)."""
+    atomic_save({"format": FORMAT, "rank": rank, "optimizer": optimizer.state_dict(),
+                 "counters": counters, "epoch": epoch, **extra}, rank_path(path, rank))
+
+
+def load_rank(path: str, rank: int, optimizer) -> dict:
+    """This rank's part, its optimizer state loaded into `optimizer`; returns the file."""
+    own = load(rank_path(path, rank))
+    optimizer.load_state_dict(own["optimizer"])
+    return own
+
+
 def load(path: str) -> dict:
     """A checkpoint written by `atomic_save`, checked for the fields ashl needs."""
     if not os.path.exists(path):

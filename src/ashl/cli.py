@@ -17,7 +17,7 @@ import re
 from typing import Iterator, Optional, Sequence
 
 from .emulation import DEFAULT_LINK, Link
-from .outer_spec import parse_outer
+from .outer_spec import OuterSpecError, parse_outer
 from .strategies import STRATEGIES
 
 DATASET_HELP = "digits (default), synthetic[:N], cifar10:DIR"
@@ -170,29 +170,34 @@ def split_variant(name: str) -> tuple[str, Optional[str]]:
 def parse_strategies(text: Optional[str], default: Sequence[str]) -> list[str]:
     """--strategies 'a,b' -> ['a', 'b'] (None: `default`); every name known, none twice. A
     name may carry an outer optimizer, STRATEGY+SPEC (commas inside SPEC's parentheses do
-    not split the list)."""
+    not split the list), returned in one spelling: 'ashl+nesterov' -> 'ashl+nesterov(0.7, 0.9)'."""
     if text is None:
         return list(default)
     names = [s.strip() for s in re.split(r",(?![^(]*\))", text) if s.strip()]
     if not names:
         raise OptionError(f"--strategies {text!r}: no strategy named")
-    for name in names:
-        base, outer = split_variant(name)
-        if outer is None:
-            continue
-        if base == "bsp":
-            raise OptionError(f"--strategies {text!r}: {name!r}: bsp takes no outer optimizer")
-        try:
-            parse_outer(outer)
-        except ValueError as e:
-            raise OptionError(f"--strategies {text!r}: {name!r}: {e}") from None
     unknown = [s for s in names if split_variant(s)[0] not in STRATEGIES]
     if unknown:
         raise OptionError(f"--strategies {text!r}: unknown {', '.join(map(repr, unknown))} "
                           f"(known: {', '.join(STRATEGIES)})")
+    names = [_one_spelling(text, name) for name in names]
     if len(set(names)) != len(names):
         raise OptionError(f"--strategies {text!r}: a strategy is named twice")
     return names
+
+
+def _one_spelling(text: str, name: str) -> str:
+    """A STRATEGY+SPEC name with SPEC parsed and written back ('ashl+nesterov' ->
+    'ashl+nesterov(0.7, 0.9)'), so one variant has one name and one run folder."""
+    base, outer = split_variant(name)
+    if outer is None:
+        return name
+    if base == "bsp":
+        raise OptionError(f"--strategies {text!r}: {name!r}: bsp takes no outer optimizer")
+    try:
+        return f"{base}+{parse_outer(outer)}"
+    except OuterSpecError as e:
+        raise OptionError(f"--strategies {text!r}: {name!r}: {e}") from None
 
 
 def check_dataset_spec(spec: str, must_exist: bool = True) -> tuple[int, ...]:

@@ -102,7 +102,7 @@ class Payload:
             return (Payload(self.kind, self.dtype, at, 0, self.buffer[:cut]),
                     Payload(self.kind, self.dtype, self.numel - at, 0, self.buffer[cut:]))
         idx, val = self.indices, self.values
-        k = int(torch.searchsorted(idx, torch.tensor([at], dtype=idx.dtype)))
+        k = int(torch.searchsorted(idx, torch.tensor([at], dtype=idx.dtype, device=idx.device)))
         head = torch.cat([idx[:k].contiguous().view(torch.uint8), val[:k].contiguous().view(torch.uint8)])
         tail = torch.cat([(idx[k:] - at).view(torch.uint8), val[k:].contiguous().view(torch.uint8)])
         return (Payload(self.kind, self.dtype, at, k, head),

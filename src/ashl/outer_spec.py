@@ -12,11 +12,20 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-__all__ = ["OuterSpec", "parse_outer", "resolve_outer", "DEFAULT_LR", "DEFAULT_MOMENTUM"]
+__all__ = ["OuterSpec", "OuterSpecError", "parse_outer", "resolve_outer", "DEFAULT_LR",
+           "DEFAULT_MOMENTUM"]
 
 DEFAULT_LR, DEFAULT_MOMENTUM = 0.7, 0.9     # DiLoCo's outer Nesterov (Douillard et al.)
 _SPEC = re.compile(r"^\s*(none|nesterov|delayed-nesterov)\s*(?:\(([^)]*)\))?\s*$")
 _ARITY = {"none": 0, "nesterov": 2, "delayed-nesterov": 3}
+
+
+class OuterSpecError(ValueError):
+    """A bad spelling: ``outer_optimizer 'SPEC': WHY``; ``why`` alone for a command line."""
+
+    def __init__(self, spec, why: str):
+        super().__init__(f"outer_optimizer {spec!r}: {why}")
+        self.why = why
 
 
 @dataclass(frozen=True)
@@ -45,34 +54,31 @@ def parse_outer(spec: "str | OuterSpec | None") -> OuterSpec:
         return spec
     m = _SPEC.match(str(spec))
     if not m:
-        raise ValueError(f"outer_optimizer {spec!r}: expected none, nesterov(lr, momentum) or "
-                         "delayed-nesterov(lr, momentum, n)")
+        raise OuterSpecError(spec, "expected none, nesterov(lr, momentum) or "
+                                   "delayed-nesterov(lr, momentum, n)")
     kind, text = m.group(1), m.group(2)
     args = [x.strip() for x in (text or "").split(",")] if text is not None else []
     if args == [""]:
         args = []
     if kind == "none" and args:
-        raise ValueError(f"outer_optimizer {spec!r}: none takes no arguments")
+        raise OuterSpecError(spec, "none takes no arguments")
     if args and len(args) not in (2, _ARITY[kind]):
-        raise ValueError(f"outer_optimizer {spec!r}: {kind} takes (lr, momentum)"
-                         + (" or (lr, momentum, n)" if kind == "delayed-nesterov" else ""))
+        raise OuterSpecError(spec, f"{kind} takes (lr, momentum)"
+                             + (" or (lr, momentum, n)" if kind == "delayed-nesterov" else ""))
     try:
         values = [float(x) for x in args[:2]]
     except ValueError:
-        raise ValueError(f"outer_optimizer {spec!r}: lr and momentum must be numbers") from None
+        raise OuterSpecError(spec, "lr and momentum must be numbers") from None
     lr, momentum = values if values else (DEFAULT_LR, DEFAULT_MOMENTUM)
     if not (math.isfinite(lr) and lr > 0):
-        raise ValueError(f"outer_optimizer {spec!r}: lr must be a finite number > 0")
+        raise OuterSpecError(spec, "lr must be a finite number > 0")
     if not (math.isfinite(momentum) and 0 <= momentum < 1):
-        raise ValueError(f"outer_optimizer {spec!r}: momentum must be in [0, 1)")
+        raise OuterSpecError(spec, "momentum must be in [0, 1)")
     n = None
     if len(args) == 3:
-        try:
-            n = int(args[2])
-        except ValueError:
-            n = 0
-        if n < 1 or str(n) != args[2]:
-            raise ValueError(f"outer_optimizer {spec!r}: n must be an integer >= 1")
+        n = int(args[2]) if args[2].isdigit() else 0
+        if n < 1:
+            raise OuterSpecError(spec, f"n must be an integer >= 1, got {args[2]!r}")
     return OuterSpec(kind, lr, momentum, n)
 
 

@@ -34,7 +34,7 @@ from typing import Optional, Sequence
 from .cli import (OneLineParser, OptionError, add_run_options, check_factor_count,
                   check_run_options, check_strategy, parse_factors, parse_link)
 from .emulation import Heterogeneity, step_time_from_env
-from .outer_spec import parse_outer
+from .outer_spec import OuterSpecError, parse_outer
 from .strategies import STRATEGIES
 
 PROG = "ashl.train"
@@ -102,8 +102,8 @@ def check_options(args: argparse.Namespace) -> argparse.Namespace:
                               "an outer optimizer needs a strategy that merges model deltas")
         try:
             parse_outer(args.outer_optimizer)
-        except ValueError as e:
-            raise OptionError(f"--outer-optimizer {args.outer_optimizer!r}: {e}") from None
+        except OuterSpecError as e:
+            raise OptionError(f"--outer-optimizer {args.outer_optimizer!r}: {e.why}") from None
     if args.max_seconds is None and args.max_commits is None and args.target_accuracy is None:
         raise OptionError("no stop condition: give --max-seconds, --max-commits or "
                           "--target-accuracy")

@@ -107,6 +107,10 @@ def test_seeds_combine_into_medians_with_their_range():
     assert e2e._time_cell(r) == "2.00 [1.00-missed]"
     two_missed = e2e.combine_seeds([dict(runs[1]), dict(runs[1]), dict(runs[2])])
     assert two_missed["time_to_target_s"] is None            # most seeds missed
+    crashed = dict(runs[0], status="timeout", time_to_target_s=None)
+    r = e2e.combine_seeds([crashed, dict(runs[0]), dict(runs[2])])   # a crash counts as missed
+    assert r["time_to_target_s"] == 2.0 and r["time_to_target_range"] == [1.0, None]
+    assert e2e._time_cell(r) == "2.00 [1.00-missed] (1 of 3 seeds failed)"
     assert e2e.combine_seeds(runs[:1]) is runs[0]             # one seed: as it is
     failed = e2e.combine_seeds([{"strategy": "ashl", "status": "failed", "error": "e",
                                  "run_dir": "x"}] * 2)
@@ -133,6 +137,13 @@ def test_seeds_and_variants_are_checked_and_reach_the_command_line(tmp_path):
     assert [r["strategy"] for r in report["results"]] == ["ashl+delayed-nesterov(0.5, 0.5)",
                                                           "diloco"]
     assert [len(r["seeds"]) for r in report["results"]] == [2, 2]
+
+
+def test_a_variant_has_one_spelling():
+    assert e2e.parse_strategies("ashl+nesterov, ashl+delayed-nesterov(0.5,0.5, 3)", []) == [
+        "ashl+nesterov(0.7, 0.9)", "ashl+delayed-nesterov(0.5, 0.5, 3)"]
+    with pytest.raises(e2e.OptionError, match="named twice"):
+        e2e.parse_strategies("ashl+nesterov(0.7, 0.5),ashl+nesterov(0.7,0.5)", [])
 
 
 @pytest.mark.parametrize("text, needle", [

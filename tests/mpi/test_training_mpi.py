@@ -95,6 +95,26 @@ def test_an_outer_optimizer_through_both_stages_and_a_resume_keeps_its_momentum(
     assert "was trained with outer_optimizer='delayed-nesterov(0.5, 0.5, 3)'" in proc.stderr
 
 
+def test_diloco_checkpoints_its_momentum_and_resumes_from_it(tmp_path):
+    ckpt = tmp_path / "run.ckpt"
+    train(3, tmp_path / "first.json", "--strategy", "diloco", "--max-commits", "45",
+          "--target-accuracy", "0.999", "--checkpoint", ckpt)
+    saved = torch.load(ckpt, weights_only=False)
+    assert saved["strategy"] == "diloco" and saved["outer"]["spec"] == "nesterov(0.7, 0.9)"
+    assert saved["outer"]["updates"] > 0 and saved["outer"]["momentum"].abs().sum() > 0
+    second = train(3, tmp_path / "second.json", "--strategy", "diloco", "--resume", ckpt,
+                   "--target-accuracy", "0.9", "--max-seconds", "60")
+    ranks = second["ranks"]
+    assert len({r["resumed_accuracy"] for r in ranks}) == 1     # the same model everywhere
+    assert len({r["accuracy"] for r in ranks}) == 1 and ranks[0]["accuracy"] >= 0.9
+    for r in ranks:     # every rank's outer optimizer went on from the saved momentum
+        assert r["counters"]["outer"]["updates"] > saved["outer"]["updates"]
+    # localsgd cannot take a diloco checkpoint: refused on every rank, named
+    proc = mpirun(3, SCRIPT, tmp_path / "third.json", "--strategy", "localsgd", "--resume",
+                  ckpt, "--max-seconds", "30", timeout=120, check=False)
+    assert proc.returncode != 0 and "is of strategy 'diloco'" in proc.stderr
+
+
 def check_run_resumed(second, saved, saved_commits):
     ranks = second["ranks"]
     # every rank started from the checkpointed global model: the same accuracy on all

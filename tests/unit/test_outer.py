@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from ashl.compression import Compression, Payload
+from ashl.protocol import DType, Kind
 from ashl.outer import (DelayedNesterovOuter, NesterovOuter, OuterSpec, PlainMerge, make_outer,
                         parse_outer)
 from ashl.staleness import parse_staleness
@@ -17,6 +18,14 @@ N = 37
 def own(p: Payload) -> Payload:
     """A payload with its own bytes (a compressor reuses its output buffer)."""
     return Payload(p.kind, p.dtype, p.numel, p.nnz, p.buffer.clone())
+
+
+def sparse(indices, values, numel=N) -> Payload:
+    """A sparse payload as the wire carries it (int32 indices ascending, then fp32 values)."""
+    idx = torch.as_tensor(indices, dtype=torch.int32)
+    val = torch.as_tensor(values, dtype=torch.float32)
+    return Payload(Kind.SPARSE_DELTA, DType.FLOAT32, numel, len(idx),
+                   torch.cat([idx.view(torch.uint8), val.view(torch.uint8)]))
 
 
 def payloads(seed: int, count: int, kind: str):
@@ -143,11 +152,20 @@ def test_a_non_finite_update_writes_nothing(spec, kind):
     saved = model.clone()
     bad = torch.randn(N)
     bad[5] = math.nan
-    poisoned = Payload.dense(bad) if kind == "dense" else Compression.topk(1.0).compress(bad)
+    poisoned = Payload.dense(bad) if kind == "dense" else sparse([1, 5, 30], [0.5, math.nan, 1.0])
+    assert poisoned.sparse == (kind == "topk")
     assert not outer.step(model, poisoned, 0.5)
     assert torch.equal(model, saved)
     for k, v in outer.state_dict().items():
         assert torch.equal(v, before[k]) if isinstance(v, torch.Tensor) else v == before[k]
+
+
+def test_a_sparse_buffer_index_out_of_range_raises_before_the_parameters_move():
+    outer = make_outer("nesterov", N, round_updates=2, params_numel=30)
+    model = torch.zeros(N)
+    with pytest.raises(IndexError):
+        outer.step(model, sparse([3, N + 2], [1.0, 1.0]), 1.0)
+    assert torch.equal(model, torch.zeros(N)) and outer.updates == 0
 
 
 def test_a_sparse_index_out_of_range_raises_and_writes_nothing():
@@ -241,7 +259,8 @@ def test_a_bad_buffer_value_writes_nothing_in_the_parameters_either(kind):
     saved, momentum = model.clone(), outer.momentum.clone()
     bad = torch.ones(N)
     bad[33] = math.inf                                   # a buffer element
-    poisoned = Payload.dense(bad) if kind == "dense" else Compression.topk(1.0).compress(bad)
+    poisoned = Payload.dense(bad) if kind == "dense" else sparse([2, 29, 33], [1.0, 1.0, math.inf])
+    assert poisoned.sparse == (kind == "topk")
     assert not outer.step(model, poisoned, 0.5)
     assert torch.equal(model, saved) and torch.equal(outer.momentum, momentum)
     assert outer.updates == 1
@@ -256,3 +275,25 @@ def test_split_keeps_every_entry_once(seed, at, ratio):
         torch.testing.assert_close(torch.cat([head.to_dense(), tail.to_dense()]), p.to_dense())
         if p.sparse:
             assert head.nnz + tail.nnz == p.nnz
+
+
+def test_a_checkpoints_outer_state_that_does_not_fit_is_refused_on_every_rank():
+    """ServerStrategy.load_checkpoint's check (every rank runs it before any rank starts; the
+    server rank alone loads the state later, where a failure would leave the others waiting)."""
+    from types import SimpleNamespace
+    from ashl.outer_spec import parse_outer
+    from ashl.strategies.parameter_server import ServerStrategy
+    run = SimpleNamespace(numel=N, params_numel=30, size=3,
+                          outer_spec=parse_outer("delayed-nesterov(0.7, 0.5)"))
+    check = ServerStrategy._check_outer_state
+    good = make_outer(run.outer_spec, N, 3, params_numel=30).state_dict()
+    check(run, "c", good)
+    for bad, needle in [(None, "trained with outer_optimizer='none'"),
+                        (dict(good, spec="nesterov(0.7, 0.9)"), "trained with"),
+                        (dict(good, params=N), "does not fit"),
+                        (dict(good, momentum=torch.zeros(N)), "does not fit"),
+                        ({k: v for k, v in good.items() if k != "updates"}, "does not fit")]:
+        with pytest.raises(ValueError, match=needle):
+            check(run, "c", bad)
+    plain = SimpleNamespace(numel=N, params_numel=30, size=3, outer_spec=parse_outer("none"))
+    check(plain, "c", None)      # a checkpoint from before outer optimizers: plain merge

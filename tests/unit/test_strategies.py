@@ -74,16 +74,19 @@ def test_diloco_takes_the_outer_nesterov_step_on_the_average_parameters_only():
     """One round (3 commits on 3 ranks) from the same start: localsgd ends at W0 + u, diloco
     with nesterov(lr, b) at W0 + lr (1 + b) u on the parameters (the momentum's first step is
     u) and at W0 + u on the BatchNorm buffers, on every rank."""
+    start = model_and_data(0)[0].state_dict()
+
     def run(strategy, **extra):
         def rank_fn(comm, hvd):
             model, x, y = model_and_data(comm.Get_rank())
+            # the ranks' threads share torch's global RNG: both runs start from one state
+            model.load_state_dict(start)
             opt = wrapped(strategy, comm, hvd, model, local_steps=4,
                           stage_config=StageConfig(max_commits=3), **extra)
             return train(opt, model, x, y)
         return FakeWorld(3).run(rank_fn)
 
-    w0 = torch.cat([t.reshape(-1) for t in model_and_data(0)[0].state_dict().values()
-                    if t.is_floating_point()])
+    w0 = torch.cat([t.reshape(-1) for t in start.values() if t.is_floating_point()])
     plain = run("localsgd")
     outer = run("diloco", outer_optimizer="nesterov(0.5, 0.6)")
     params = 4 * 3 + 3 + 3 + 3        # Linear(4, 3) and BatchNorm1d(3)'s weight and bias

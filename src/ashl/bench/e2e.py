@@ -329,7 +329,8 @@ def _time_cell(r: dict) -> str:
     if span:
         lo, hi = ("missed" if x is None else f"{x:.2f}" for x in span)
         text += f" [{lo}-{hi}]"
-    return text
+    failed = r.get("seeds_run", 0) - r.get("seeds_ok", 0)
+    return text + (f" ({failed} of {r['seeds_run']} seeds failed)" if failed else "")
 
 
 def _accuracy_cell(r: dict) -> str:
@@ -597,9 +598,10 @@ def _print_run(name: str, seed: int, r: dict, seconds: float) -> None:
 
 def combine_seeds(runs: Sequence[dict]) -> dict:
     """One strategy's seeds as one result: medians of every figure, with [min, max] of the
-    time to target and the final accuracy; a seed that missed the target counts as slower
-    than every seed that reached it (the median is "missed" if half or more missed). A
-    single run is returned as it is."""
+    time to target and the final accuracy; a seed that missed the target, failed or timed
+    out counts as slower than every seed that reached it (the median is "missed" if half or
+    more did). The other figures are the medians of the seeds that ran to the end. A single
+    run is returned as it is."""
     if len(runs) == 1:
         return runs[0]
     ok = [r for r in runs if r["status"] == "ok"]
@@ -611,8 +613,9 @@ def combine_seeds(runs: Sequence[dict]) -> dict:
         out["error"] = first.get("error")
         return out
     inf = float("inf")
-    times = sorted(inf if r.get("time_to_target_s") is None else r["time_to_target_s"]
-                   for r in ok)
+    # a seed that failed or timed out did not reach the target either
+    times = sorted(inf if r["status"] != "ok" or r.get("time_to_target_s") is None
+                   else r["time_to_target_s"] for r in runs)
     mid = statistics.median(times)
     out["time_to_target_s"] = None if mid == inf else mid
     out["time_to_target_range"] = [times[0] if times[0] < inf else None,

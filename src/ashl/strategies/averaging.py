@@ -193,10 +193,12 @@ class ModelAveragingStrategy(Strategy):
                         self.name, self.commits)
         if keep_evaluated or not finite:
             delta.zero_()
-        elif self.outer_update is not None:      # the outer step, as a change of the anchors
+        elif self.outer_update is not None and bool(delta.any()):
+            # the outer step, as a change of the anchors; a round in which nobody moved (an
+            # epoch join's empty rounds) takes none, so the momentum does not run on alone
             self.outer.step(self.outer_update.zero_(), Payload.dense(delta), 1.0)
             delta = self.outer_update
-        else:
+        elif self.outer_update is None:
             self.outer.updates += 1              # the plain merge is unpack_add itself
         kernels.unpack_add(self.tensors, self.anchors, delta)
         return finite and not keep_evaluated

@@ -130,7 +130,7 @@ class ServerStrategy(Strategy):
     def _start_server(self, model: torch.Tensor) -> None:
         # delayed-nesterov's n defaults to one round: one commit of every rank
         outer = make_outer(self.outer_spec, self.numel, round_updates=self.size,
-                           params_numel=self.params_numel)
+                           device=model.device, params_numel=self.params_numel)
         server = ParameterServer(model, self.size, self.mc.coordinator, rank=self.rank,
                                  staleness=self.staleness, bound=self.bound,
                                  downlink=self.downlink, outer=outer)
@@ -237,29 +237,17 @@ class ServerStrategy(Strategy):
                        "stage": self.mc.coordinator.stage.value,
                        "commits": self.mc.coordinator.machine.commits}
             checkpoint.atomic_save(run, path)
-        own = {"format": checkpoint.FORMAT, "rank": self.rank, "optimizer": optimizer.state_dict(),
-               "counters": self.counters(), "epoch": self.current_epoch(),
-               "residual": None if self.residual is None else self.residual.flat.clone()}
-        checkpoint.atomic_save(own, checkpoint.rank_path(path, self.rank))
+        checkpoint.save_rank(path, self.rank, optimizer, self.counters(), self.current_epoch(),
+                             residual=None if self.residual is None else self.residual.flat.clone())
 
     def load_checkpoint(self, path: str, optimizer) -> None:
         """Before the first step: continue the run saved at ``path`` (every rank)."""
         if self.started:
             raise RuntimeError("load_checkpoint must be called before the first step()")
         run = checkpoint.load(path)
-        if run.get("size") != self.size:
-            raise ValueError(f"checkpoint {path} is of a {run.get('size')}-rank run; "
-                             f"this job has {self.size} ranks")
-        if run.get("numel") != self.numel:
-            raise ValueError(f"checkpoint {path} holds a model of {run.get('numel')} elements; "
-                             f"this model has {self.numel}")
-        saved = (run.get("outer") or {"spec": "none"})["spec"]
-        mine = str(resolve_outer(self.outer_spec, self.size))
-        if saved != mine:
-            raise ValueError(f"checkpoint {path} was trained with outer_optimizer={saved!r}; "
-                             f"this run asks for {mine!r}")
-        own = checkpoint.load(checkpoint.rank_path(path, self.rank))
-        optimizer.load_state_dict(own["optimizer"])
+        checkpoint.check_run(run, path, self.name, self.size, self.numel)
+        self._check_outer_state(path, run.get("outer"))
+        own = checkpoint.load_rank(path, self.rank, optimizer)
         kernels.unpack_assign(self.tensors, [t.clone() for t in self.tensors],
                               run["global_model"])
         if self.residual is not None and own.get("residual") is not None:
@@ -269,6 +257,22 @@ class ServerStrategy(Strategy):
         self.commits = int(counters.get("commits", 0))
         self.epoch = int(own.get("epoch", 0))
         self._resume = run
+
+    def _check_outer_state(self, path: str, state: Optional[dict]) -> None:
+        """Every rank, before any starts: the checkpoint's outer optimizer must be this run's
+        (the server rank alone loads it later, so nothing may fail there)."""
+        state = state or {"spec": "none", "numel": self.numel, "params": self.params_numel}
+        mine = str(resolve_outer(self.outer_spec, self.size))
+        if state.get("spec") != mine:
+            raise ValueError(f"checkpoint {path} was trained with outer_optimizer="
+                             f"{state.get('spec')!r}; this run asks for {mine!r}")
+        sizes = [state.get("numel"), state.get("params")] + [
+            state[k].numel() for k in ("momentum", "buffer") if k in state]
+        if sizes != [self.numel, self.params_numel] + [self.params_numel] * (len(sizes) - 2) \
+                or (mine != "none" and "updates" not in state):
+            raise ValueError(f"checkpoint {path}: its outer optimizer state does not fit this "
+                             f"model ({self.numel} elements, {self.params_numel} of them "
+                             "parameters)")
 
     def _start_from_checkpoint(self) -> None:
         run, self._resume = self._resume, None
