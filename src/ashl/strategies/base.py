@@ -367,14 +367,14 @@ class Strategy:
 
     # ------------------------------------------------------------------- checkpoints
     def save_checkpoint(self, path: str, optimizer) -> None:
-        raise NotImplementedError(f"strategy {self.name!r} does not checkpoint; use strategy "
-                                  "'ashl', or save the model and optimizer state_dict as with "
-                                  "plain Horovod")
+        raise NotImplementedError(f"strategy {self.name!r} does not checkpoint; use a strategy "
+                                  "that does (ashl, localsgd, diloco, async-localsgd, ...), or "
+                                  "save the model and optimizer state_dict as with plain Horovod")
 
     def load_checkpoint(self, path: str, optimizer) -> None:
-        raise NotImplementedError(f"strategy {self.name!r} does not checkpoint; use strategy "
-                                  "'ashl', or load the model and optimizer state_dict as with "
-                                  "plain Horovod")
+        raise NotImplementedError(f"strategy {self.name!r} does not checkpoint; use a strategy "
+                                  "that does (ashl, localsgd, diloco, async-localsgd, ...), or "
+                                  "load the model and optimizer state_dict as with plain Horovod")
 
     # ---------------------------------------------------------------- shared mechanics
     def clear_nonfinite_optimizer_state(self) -> int:
