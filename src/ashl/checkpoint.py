@@ -37,8 +37,8 @@ def atomic_save(obj: Any, path: str) -> None:
 
 
 def check_run(run: dict, path: str, strategy: str, size: int, numel: int) -> None:
-    """A run file must come from a job like this one: the same rank count and model size
-    (every rank checks, before any starts, so a mismatch stops them all alike)."""
+    """A run file must come from a job like this one: the same rank count, model size and
+    strategy (every rank checks, before any starts, so a mismatch stops them all alike)."""
     if run.get("size") != size:
         raise ValueError(f"checkpoint {path} is of a {run.get('size')}-rank run; "
                          f"this job has {size} ranks")

@@ -160,6 +160,19 @@ def check_strategy(name: str) -> str:
     return name
 
 
+def check_outer(strategy: str, spec: str, where: str) -> str:
+    """An outer optimizer for `strategy` (``--outer-optimizer``, or the SPEC of a
+    STRATEGY+SPEC name): its one spelling ('nesterov' -> 'nesterov(0.7, 0.9)'); OptionError
+    beginning with `where` if it is misspelt or the strategy (bsp) merges no deltas."""
+    if strategy == "bsp":
+        raise OptionError(f"{where}: strategy bsp averages gradients every step; an outer "
+                          "optimizer needs a strategy that merges model deltas")
+    try:
+        return str(parse_outer(spec))
+    except OuterSpecError as e:
+        raise OptionError(f"{where}: {e.why}") from None
+
+
 def split_variant(name: str) -> tuple[str, Optional[str]]:
     """'ashl+nesterov(0.7, 0.5)' -> ('ashl', 'nesterov(0.7, 0.5)'): a strategy run with an
     outer optimizer; a plain name -> (name, None)."""
@@ -192,12 +205,7 @@ def _one_spelling(text: str, name: str) -> str:
     base, outer = split_variant(name)
     if outer is None:
         return name
-    if base == "bsp":
-        raise OptionError(f"--strategies {text!r}: {name!r}: bsp takes no outer optimizer")
-    try:
-        return f"{base}+{parse_outer(outer)}"
-    except OuterSpecError as e:
-        raise OptionError(f"--strategies {text!r}: {name!r}: {e}") from None
+    return f"{base}+{check_outer(base, outer, f'--strategies {text!r}: {name!r}')}"
 
 
 def check_dataset_spec(spec: str, must_exist: bool = True) -> tuple[int, ...]:

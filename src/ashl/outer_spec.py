@@ -36,12 +36,16 @@ class OuterSpec:
     n: Optional[int] = None          # delayed-nesterov: None = the updates of one round
 
     def __str__(self) -> str:
+        """The spelling parse_outer reads back to this spec, exactly."""
         if self.kind == "none":
             return "none"
-        if self.kind == "nesterov":
-            return f"nesterov({self.lr:g}, {self.momentum:g})"
         n = "" if self.n is None else f", {self.n}"
-        return f"delayed-nesterov({self.lr:g}, {self.momentum:g}{n})"
+        return f"{self.kind}({_number(self.lr)}, {_number(self.momentum)}{n})"
+
+
+def _number(x: float) -> str:
+    """0.7 as '0.7', 1 as '1', and every other float in as few digits as round-trip."""
+    return f"{x:g}" if float(f"{x:g}") == x else repr(x)
 
 
 def parse_outer(spec: "str | OuterSpec | None") -> OuterSpec:

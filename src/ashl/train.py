@@ -32,9 +32,8 @@ import time
 from typing import Optional, Sequence
 
 from .cli import (OneLineParser, OptionError, add_run_options, check_factor_count,
-                  check_run_options, check_strategy, parse_factors, parse_link)
+                  check_outer, check_run_options, check_strategy, parse_factors, parse_link)
 from .emulation import Heterogeneity, step_time_from_env
-from .outer_spec import OuterSpecError, parse_outer
 from .strategies import STRATEGIES
 
 PROG = "ashl.train"
@@ -97,13 +96,8 @@ def check_options(args: argparse.Namespace) -> argparse.Namespace:
     if args.profile_steps < 3:
         raise OptionError(f"--profile-steps {args.profile_steps}: must be >= 3 (one is warm-up)")
     if args.outer_optimizer is not None:
-        if args.strategy == "bsp":
-            raise OptionError("--outer-optimizer: strategy bsp averages gradients every step; "
-                              "an outer optimizer needs a strategy that merges model deltas")
-        try:
-            parse_outer(args.outer_optimizer)
-        except OuterSpecError as e:
-            raise OptionError(f"--outer-optimizer {args.outer_optimizer!r}: {e.why}") from None
+        check_outer(args.strategy, args.outer_optimizer,
+                    f"--outer-optimizer {args.outer_optimizer!r}")
     if args.max_seconds is None and args.max_commits is None and args.target_accuracy is None:
         raise OptionError("no stop condition: give --max-seconds, --max-commits or "
                           "--target-accuracy")

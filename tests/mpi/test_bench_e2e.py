@@ -147,8 +147,8 @@ def test_a_variant_has_one_spelling():
 
 
 @pytest.mark.parametrize("text, needle", [
-    ("bsp+nesterov", "bsp takes no outer optimizer"),
-    ("ashl+adam", "outer_optimizer 'adam'"),
+    ("bsp+nesterov", "'bsp+nesterov': strategy bsp averages gradients every step"),
+    ("ashl+adam", "'ashl+adam': expected none, nesterov(lr, momentum)"),
     ("nope+nesterov", "unknown 'nope+nesterov'"),
 ])
 def test_a_bad_variant_is_an_option_error(text, needle):

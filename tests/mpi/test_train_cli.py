@@ -53,6 +53,10 @@ BAD = [
     (["--profile-steps", "2"], ["--profile-steps", "2"]),
     (["--max-seconds", "abc"], ["--max-seconds", "abc"]),
     (["--no-such-option"], ["--no-such-option"]),
+    (["--outer-optimizer", "nesterov(0.7)"], ["--outer-optimizer", "'nesterov(0.7)'",
+                                              "takes (lr, momentum)"]),
+    (["--strategy", "bsp", "--outer-optimizer", "nesterov"], ["--outer-optimizer",
+                                                              "strategy bsp"]),
 ]
 
 

@@ -225,6 +225,22 @@ def test_parse_rejects_with_the_spec_named(text):
         parse_outer(text)
 
 
+@given(st.sampled_from(["nesterov", "delayed-nesterov"]), st.floats(1e-6, 10.0),
+       st.floats(0.0, 0.999), st.one_of(st.none(), st.integers(1, 64)))
+def test_a_spec_is_written_so_that_it_reads_back_exactly(kind, lr, momentum, n):
+    spec = OuterSpec(kind, lr, momentum, n if kind == "delayed-nesterov" else None)
+    assert parse_outer(str(spec)) == spec
+
+
+def test_the_command_lines_check_an_outer_optimizer_in_one_place():
+    from ashl.cli import OptionError, check_outer
+    assert check_outer("ashl", " nesterov ", "--outer-optimizer") == "nesterov(0.7, 0.9)"
+    with pytest.raises(OptionError, match=r"^--outer-optimizer 'x': expected none"):
+        check_outer("ashl", "x", "--outer-optimizer 'x'")
+    with pytest.raises(OptionError, match="strategy bsp averages gradients"):
+        check_outer("bsp", "nesterov", "--outer-optimizer")
+
+
 def test_delayed_nesterov_n_defaults_to_one_rounds_updates():
     assert make_outer("delayed-nesterov", N, round_updates=4).n == 4
     assert str(make_outer("delayed-nesterov(0.7, 0.9)", N, 4).spec) == "delayed-nesterov(0.7, 0.9, 4)"

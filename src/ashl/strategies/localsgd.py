@@ -27,7 +27,6 @@ from fractions import Fraction
 import torch
 
 from .. import checkpoint, kernels
-
 from ..planner import check_local_steps, uniform_plan
 from ..stages import Stage, StageConfig
 from .averaging import ModelAveragingStrategy
