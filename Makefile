@@ -67,7 +67,8 @@ OUTER_STRATEGIES ?= ashl,ashl+nesterov(0.7, 0.5),ashl+delayed-nesterov(0.7, 0.5)
     ashl+delayed-nesterov(0.7, 0.9),ashl-sync,ashl-sync+nesterov(0.7, 0.5),diloco,$\
     async-localsgd,localsgd,bsp
 OUTER_GPU_STRATEGIES ?= ashl,ashl+nesterov(0.7, 0.5),ashl+delayed-nesterov(0.7, 0.5),$\
-    ashl-sync,ashl-sync+nesterov(0.7, 0.5),diloco,async-localsgd,localsgd,bsp
+    ashl-sync,ashl-sync+nesterov(0.7, 0.5),diloco,diloco+nesterov(0.7, 0.5),async-localsgd,$\
+    localsgd,bsp
 OUTER_GPU_ARGS ?= --target-accuracy 0.96 --eval-every 0.1 --max-seconds 60
 bench-outer: build
 	@mkdir -p $(OUT)/outer $(OUT)/outer-homogeneous $(OUT)/outer-gpu $(OUT)/outer-gpu-homogeneous
