@@ -18,7 +18,7 @@ from typing import Iterator, Optional, Sequence
 
 from .emulation import DEFAULT_LINK, Link
 from .outer_spec import OuterSpecError, parse_outer
-from .strategies import STRATEGIES
+from .strategies import FAULT_TOLERANT, STRATEGIES
 
 DATASET_HELP = "digits (default), synthetic[:N], cifar10:DIR"
 FACTORS_EXAMPLE = "1,1,2,4"
@@ -171,6 +171,16 @@ def check_outer(strategy: str, spec: str, where: str) -> str:
         return str(parse_outer(spec))
     except OuterSpecError as e:
         raise OptionError(f"{where}: {e.why}") from None
+
+
+def check_fault_tolerant(strategy: str, timeout_s: float) -> None:
+    """--fault-tolerant: an asynchronous strategy and a timeout > 0 (OptionError)."""
+    if strategy not in FAULT_TOLERANT:
+        raise OptionError(f"--fault-tolerant: strategy {strategy} is synchronous and fail-stop "
+                          "(every round needs every rank); use one of "
+                          f"{', '.join(FAULT_TOLERANT)}")
+    if not (math.isfinite(timeout_s) and timeout_s > 0):
+        raise OptionError(f"--fault-timeout {timeout_s:g}: must be a number of seconds > 0")
 
 
 def split_variant(name: str) -> tuple[str, Optional[str]]:

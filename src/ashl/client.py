@@ -1,10 +1,10 @@
 """The rank's half of the commit protocol: ``ServerClient.commit(payload, commit) -> Reply``.
 
 The server's half is ``server.ServerThread``. A commit is one message (header + the
-compressed delta) on ``protocol.TAG_TO_SERVER``; the answer is one REPLY on
-``protocol.TAG_TO_RANK`` carrying the global model, followed by a PLAN message when the
-rank's plan is out of date. The client fills the header, emulates a slow link if asked,
-waits for the answer without spinning a core, and returns it decoded: accepted or rejected,
+compressed delta) through a transport.RankEnd (MPI point-to-point, or ZeroMQ when the run
+is fault-tolerant); the answer is one REPLY carrying the global model, followed by a PLAN
+message when the rank's plan is out of date. The client fills the header, emulates a slow
+link if asked, waits for the answer, and returns it decoded: accepted or rejected,
 the stage the run is in, a stop, a new plan. What a rank does with the answer is the
 strategy's business.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -20,8 +20,9 @@ from . import protocol
 from .compression import Payload
 from .emulation import Heterogeneity
 from .planner import Plan
-from .protocol import Flag, Header
+from .protocol import Flag, Header, Kind
 from .stages import Stage
+from .transport import RankEnd
 
 __all__ = ["Commit", "Reply", "ServerClient"]
 
@@ -53,18 +54,17 @@ class Reply:
                                     # until the next commit), None if the reply carries none
     plan: Optional[Plan]            # a newer plan, if the rank's was out of date
     bytes_sent: int                 # the commit message's size
+    dropped: bool = False           # the server had dropped this rank as lost
+    commit_rate: int = 0            # adsp: the scheduler's commits per check period (0: none)
 
 
 class ServerClient:
-    """Commits to the parameter server on `server_rank` over `comm` (MPI point-to-point)."""
+    """Commits to the parameter server through a transport.RankEnd (MPI or ZeroMQ)."""
 
-    def __init__(self, comm, server_rank: int, rank: int, numel: int, *,
-                 heterogeneity: Optional[Heterogeneity] = None, poll_s: float = 2e-4,
-                 server_error: Callable[[], Optional[BaseException]] = lambda: None):
-        self.comm, self.server_rank, self.rank, self.numel = comm, server_rank, rank, numel
+    def __init__(self, end: RankEnd, rank: int, numel: int, *,
+                 heterogeneity: Optional[Heterogeneity] = None):
+        self.end, self.rank, self.numel = end, rank, numel
         self.hetero = heterogeneity or Heterogeneity()
-        self.poll_s = poll_s
-        self.server_error = server_error   # the host rank's server thread, if it failed
         self.model_buf = protocol.MessageBuffer(4 * numel)
         self.plan_buf = protocol.MessageBuffer(protocol.MAX_PLAN_BYTES)
         # The previous exchange, reported with the next commit (drift detection).
@@ -75,20 +75,26 @@ class ServerClient:
         header = self._header(payload, commit)
         t_send = time.perf_counter()
         self.hetero.depart(header.nbytes)
-        protocol.send(self.comm, self.server_rank, header, payload.buffer,
-                      tag=protocol.TAG_TO_SERVER)
-        answer = self._receive(self.model_buf)
+        self.end.send(header, payload.buffer)
+        answer = self._receive(self.model_buf, Kind.REPLY)
         self.hetero.arrive(answer.header.sent_at, answer.header.nbytes)
         self.last_link_s = time.perf_counter() - t_send
         self.last_ratio = payload.nnz / payload.numel if payload.sparse and payload.numel else 1.0
         h = answer.header
         plan = None
         if h.flags & Flag.PLAN_FOLLOWS:
-            plan = Plan.from_dict(self._receive(self.plan_buf).json())
+            plan = Plan.from_dict(self._receive(self.plan_buf, Kind.PLAN).json())
         return Reply(accepted=bool(h.flags & Flag.ACCEPTED), stop=bool(h.flags & Flag.STOP),
                      stage=h.stage, version=h.base_version,
                      model=answer.dense() if h.numel else None, plan=plan,
-                     bytes_sent=header.nbytes)
+                     bytes_sent=header.nbytes, dropped=bool(h.flags & Flag.DROPPED),
+                     commit_rate=h.local_steps)
+
+    def final(self) -> tuple[torch.Tensor, dict]:
+        """Fault-tolerant end: the run's final global model (a view of the client's buffer)
+        and its summary (why it ended, which ranks were lost), sent to every rank that left."""
+        model = self._receive(self.model_buf, Kind.REPLY).dense()
+        return model, self._receive(self.plan_buf, Kind.SUMMARY).json()
 
     def _header(self, payload: Payload, c: Commit) -> Header:
         return Header(rank=self.rank, stage=c.stage, commit=c.number, base_version=c.base_version,
@@ -98,13 +104,9 @@ class ServerClient:
                       link_ratio=self.last_ratio, loss=Header.optional(c.loss),
                       **payload.header_fields())
 
-    def _receive(self, buffer: protocol.MessageBuffer) -> protocol.Message:
-        """The next message from the server; polls, so a waiting rank leaves its core to the
-        others, and gives up if the server thread on this rank has died."""
-        while not self.comm.Iprobe(source=self.server_rank, tag=protocol.TAG_TO_RANK):
-            error = self.server_error()
-            if error is not None:
-                raise RuntimeError("the parameter server failed") from error
-            time.sleep(self.poll_s)
-        return protocol.recv(self.comm, buffer, source=self.server_rank,
-                             tag=protocol.TAG_TO_RANK, model_numel=self.numel)
+    def _receive(self, buffer: protocol.MessageBuffer, kind: Kind) -> protocol.Message:
+        message = self.end.recv(buffer)
+        if message.header.kind != kind:
+            raise protocol.ProtocolError("kind", f"expected {kind.name} from the server, got "
+                                         f"{Kind(message.header.kind).name}")
+        return message

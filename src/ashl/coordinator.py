@@ -29,7 +29,8 @@ from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Sequence
 
-from .planner import Plan, PlannerConfig, RankProfile, make_plan, pull_seconds, push_seconds
+from .planner import (Plan, PlannerConfig, RankProfile, embed_plan, make_plan, pull_seconds,
+                      push_seconds)
 from .stages import Stage, StageConfig, StageMachine
 
 __all__ = ["CommitReport", "Directive", "DriftConfig", "CoordinatorEvent", "Coordinator",
@@ -147,6 +148,11 @@ class Coordinator:
         self._replanned_at = 0
         self._replanned_time = float("-inf")
         self._seen_transitions = 0
+        self.live = set(range(n_ranks))
+        # How a strategy plans a subset of its ranks (the survivors of a lost rank); the
+        # default is make_plan with this coordinator's planner config.
+        self.plan_for: Callable[[Sequence[RankProfile]], Plan] = (
+            lambda profiles: make_plan(profiles, self.planner_config))
 
     # --------------------------------------------------------------- state
     @property
@@ -231,6 +237,25 @@ class Coordinator:
             self._maybe_replan()
         return self.directive(report.plan_version)
 
+    def lose(self, rank: int, reason: str) -> None:
+        """A rank is gone: re-plan among the survivors (their shares, H and merge weights;
+        the lost rank gets none)."""
+        if rank not in self.live:
+            return
+        self.live.discard(rank)
+        self._steps[rank].clear()
+        self._links[rank].clear()
+        if self.plan is None or not self.live:
+            return
+        self.plan = self._plan_live(self.plan.profiles, self.plan.version + 1, reason)
+        self._sync_stage()
+        self._log("plan", reason)
+
+    def _plan_live(self, profiles: Sequence[RankProfile], version: int, reason: str) -> Plan:
+        live = sorted(self.live)
+        sub = self.plan_for([profiles[r] for r in live])
+        return embed_plan(sub, live, profiles, version=version, reason=reason)
+
     def on_evaluation(self, loss: float | None = None, accuracy: float | None = None) -> Stage:
         self.machine.evaluation(self.clock(), loss=loss, accuracy=accuracy)
         self._sync_stage()
@@ -252,7 +277,7 @@ class Coordinator:
         cfg, plan = self.drift_config, self.plan
         stage = plan.stage(self.stage.planned)
         out = []
-        for r in range(self.n_ranks):
+        for r in sorted(self.live):
             p = plan.profiles[r]
             h = stage.local_steps[r]
             if len(self._steps[r]) >= cfg.min_reports:
@@ -295,8 +320,7 @@ class Coordinator:
             changed.append(f"rank {d.rank} {d.what} {d.relative:+.0%}")
         reason = ("drift: " + ", ".join(f"rank {d.rank} {d.what} {d.relative:+.0%}" for d in triggers)
                   + "; refreshed " + ", ".join(changed))
-        self.plan = make_plan(profiles, self.planner_config, version=self.plan.version + 1,
-                              reason=reason)
+        self.plan = self._plan_live(profiles, self.plan.version + 1, reason)
         self._replanned_at = self.machine.commits
         self._replanned_time = self.clock()
         # Hysteresis: a refreshed rank's estimate is now the plan; judge it again only on
@@ -439,10 +463,12 @@ class MPICoordinator:
                 plan = self.coordinator.plan_from_profiles(profiles)
         return self.broadcast_plan(plan)
 
-    def close(self) -> None:
-        """Collective: wait for every rank, then free the communicator."""
+    def close(self, collective: bool = True) -> None:
+        """Wait for every rank (unless not `collective`: a fault-tolerant run's ranks may be
+        gone), then free the communicator."""
         if self._closed:
             return
         self._closed = True
-        self.barrier()
+        if collective:
+            self.barrier()
         self.comm.Free()

@@ -52,6 +52,7 @@ __all__ = [
     "payload_fraction",
     "round_local_steps",
     "largest_remainder",
+    "embed_plan",
     "profiles_from_columns",
     "load_profile_document",
     "validate_profiles",
@@ -590,6 +591,35 @@ def make_plan(profiles: Iterable[RankProfile], config: PlannerConfig | None = No
                      shares=shl.shares if config.share_source == "shl" else None)
     return Plan(version=version, profiles=profiles, config=config, ahl=ahl, shl=shl,
                 reason=reason)
+
+
+def embed_plan(sub: Plan, live: Sequence[int], profiles: Sequence[RankProfile], *,
+               version: int, reason: str = "") -> Plan:
+    """A plan made for the ranks `live` (index j of `sub` is rank live[j]) as a plan of all
+    len(profiles) ranks: the others take no part (H 0, share 0, merge weight 0). How the
+    survivors of a lost rank are planned."""
+    live = list(live)
+    if len(live) != sub.n_ranks or len(set(live)) != len(live) or not all(
+            0 <= r < len(profiles) for r in live):
+        raise ValueError(f"live ranks {live} do not fit a plan of {sub.n_ranks} ranks "
+                         f"among {len(profiles)}")
+    n = len(profiles)
+
+    def spread(values, fill) -> tuple:
+        out = [fill] * n
+        for j, r in enumerate(live):
+            out[r] = values[j]
+        return tuple(out)
+
+    def stage(sp: StagePlan) -> StagePlan:
+        return dataclasses.replace(
+            sp, bottleneck=live[sp.bottleneck], local_steps=spread(sp.local_steps, 0),
+            ratios=spread(sp.ratios, 1.0), shares=spread(sp.shares, Fraction(0)),
+            merge_weights=spread(sp.merge_weights, Fraction(0)),
+            rank_round_s=spread(sp.rank_round_s, 0.0), idle_fraction=spread(sp.idle_fraction, 0.0))
+
+    return Plan(version=version, profiles=tuple(profiles), config=sub.config, ahl=stage(sub.ahl),
+                shl=stage(sub.shl), reason=reason)
 
 
 def check_local_steps(local_steps: Any) -> int:

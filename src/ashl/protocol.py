@@ -20,7 +20,9 @@ Payload layouts:
   DENSE_DELTA, REPLY  numel values of `dtype`
   SPARSE_DELTA        nnz int32 indices (ascending), then nnz values of `dtype`
   PLAN                numel bytes of UTF-8 JSON (dtype UINT8), never pickled
-A REPLY may also carry nothing (dtype NONE), e.g. the answer to a commit after DONE.
+A REPLY may also carry nothing (dtype NONE), e.g. the answer to a commit after DONE. Its
+local_steps field carries a time-based strategy's commit-rate target (adsp's c_target; 0:
+none), so the scheduler's decisions need no channel of their own.
 The stage byte is ``ashl.stages.Stage.code``.
 
 Optional float measurements use NaN for "not measured" (CommitReport's None); infinities
@@ -44,12 +46,12 @@ from .stages import Stage
 __all__ = [
     "MAGIC", "VERSION", "HEADER_SIZE", "MAX_MESSAGE_BYTES", "MAX_PLAN_BYTES", "ProtocolError",
     "Kind", "DType", "Flag", "Header", "encode", "decode", "validate",
-    "MessageBuffer", "Message", "send", "recv", "dense_view", "sparse_views",
+    "MessageBuffer", "Message", "send", "recv", "received", "dense_view", "sparse_views",
     "max_payload_nbytes", "json_payload", "TAG_TO_SERVER", "TAG_TO_RANK",
 ]
 
 MAGIC = b"ASHL"
-VERSION = 2                # 2: no wait_s field, Stage codes from ashl.stages
+VERSION = 3                # 3: SUMMARY, DROPPED; 2: no wait_s field, Stage codes from ashl.stages
 HEADER_SIZE = 128          # a multiple of 64: payload views after it stay aligned
 MAX_MESSAGE_BYTES = 2**31 - 1   # MPI counts are C ints; one message carries at most this
 MAX_PLAN_BYTES = 1 << 20   # a plan is a few KiB of JSON; anything near this is garbage
@@ -102,6 +104,7 @@ class Kind(enum.IntEnum):
     SPARSE_DELTA = 2   # rank -> server: top-k indices + values
     REPLY = 4          # server -> rank: directive (+ the global model)
     PLAN = 7           # server -> rank: a new plan as JSON bytes
+    SUMMARY = 8        # server -> rank, fault-tolerant end: the run's end (reason, lost ranks) as JSON
 
 
 class DType(enum.IntEnum):
@@ -141,9 +144,10 @@ class Flag(enum.IntFlag):
     STOP = 2          # REPLY: the run is over for this rank
     PLAN_FOLLOWS = 4  # REPLY: a PLAN message follows on the same tag
     FINAL = 8         # delta: this rank's last commit
+    DROPPED = 16      # REPLY: the server had dropped this rank as lost (fault-tolerant mode)
 
 
-_ALL_FLAGS = int(Flag.ACCEPTED | Flag.STOP | Flag.PLAN_FOLLOWS | Flag.FINAL)
+_ALL_FLAGS = int(Flag.ACCEPTED | Flag.STOP | Flag.PLAN_FOLLOWS | Flag.FINAL | Flag.DROPPED)
 _INT32 = (-(2**31), 2**31 - 1)
 _INT64 = (-(2**63), 2**63 - 1)
 
@@ -291,13 +295,13 @@ def _payload_shape(h: Header, kind: Kind, dtype: DType, model_numel: int | None)
                 raise ProtocolError("numel", f"{h.numel} elements cannot be addressed by int32 indices")
         elif h.nnz != 0:
             raise ProtocolError("nnz", f"must be 0 for {kind.name}, got {h.nnz}")
-    elif kind == Kind.PLAN:
+    elif kind in (Kind.PLAN, Kind.SUMMARY):
         if dtype != DType.UINT8:
-            raise ProtocolError("dtype", f"PLAN carries UINT8 JSON bytes, got {dtype.name}")
+            raise ProtocolError("dtype", f"{kind.name} carries UINT8 JSON bytes, got {dtype.name}")
         if h.numel > MAX_PLAN_BYTES:
-            raise ProtocolError("numel", f"a plan of {h.numel} bytes exceeds {MAX_PLAN_BYTES}")
+            raise ProtocolError("numel", f"a {kind.name} of {h.numel} bytes exceeds {MAX_PLAN_BYTES}")
         if h.nnz != 0:
-            raise ProtocolError("nnz", f"must be 0 for PLAN, got {h.nnz}")
+            raise ProtocolError("nnz", f"must be 0 for {kind.name}, got {h.nnz}")
     else:  # a REPLY without a model
         if dtype != DType.NONE:
             raise ProtocolError("dtype", f"{kind.name} carries no payload, got {dtype.name}")
@@ -420,13 +424,13 @@ class Message(NamedTuple):
         return sparse_views(self.header, self.payload)
 
     def json(self):
-        """The object a PLAN message carries."""
-        if self.header.kind != Kind.PLAN:
+        """The object a PLAN or SUMMARY message carries."""
+        if self.header.kind not in (Kind.PLAN, Kind.SUMMARY):
             raise ValueError(f"{Kind(self.header.kind).name} carries no JSON")
         try:
             return json.loads(bytes(self.payload.numpy()).decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ProtocolError("payload", f"PLAN is not UTF-8 JSON: {e}") from None
+            raise ProtocolError("payload", f"{self.header.kind.name} is not UTF-8 JSON: {e}") from None
 
 
 def json_payload(obj) -> np.ndarray:
@@ -486,13 +490,20 @@ def recv(comm, buffer: MessageBuffer, *, source: int | None = None, tag: int = T
         raise ProtocolError("length", f"a {count}-byte message from rank {src} exceeds the "
                             f"{buffer.tensor.numel()}-byte buffer")
     msg.Recv([buffer.array, MPI.BYTE], status)
-    count = status.Get_count(MPI.BYTE)
+    return received(buffer, status.Get_count(MPI.BYTE), src, world_size=comm.Get_size(),
+                    model_numel=model_numel, check_source=check_source)
+
+
+def received(buffer: MessageBuffer, count: int, src: int, *, world_size: int, model_numel: int,
+             check_source: bool = True) -> Message:
+    """The message whose `count` bytes have landed in `buffer` from rank `src` (any
+    transport), validated: its header, its byte count, and with `check_source` its sender."""
     if count < HEADER_SIZE:
         raise ProtocolError("length", f"a {count}-byte message from rank {src} is shorter than a header")
-    header = decode(buffer.array[:HEADER_SIZE], world_size=comm.Get_size(), model_numel=model_numel)
+    header = decode(buffer.array[:HEADER_SIZE], world_size=world_size, model_numel=model_numel)
     if count != header.nbytes:
         raise ProtocolError("length", f"received {count} bytes from rank {src} but the header "
                             f"announces {header.nbytes} ({header.payload_nbytes} payload)")
     if check_source and header.rank != src:
-        raise ProtocolError("rank", f"header says rank {header.rank} but MPI source is {src}")
+        raise ProtocolError("rank", f"header says rank {header.rank} but the sender is rank {src}")
     return Message(header, buffer.tensor[HEADER_SIZE:HEADER_SIZE + header.payload_nbytes], src)

@@ -1,10 +1,16 @@
 """The parameter server: the global model's home on one rank, beside its training loop.
 
-``ParameterServer`` is the merge rule and the staleness gate, with no MPI: it takes a decoded
-commit and says which replies go out now. ``ServerThread`` is the MPI edge: it receives
-commits on ``protocol.TAG_TO_SERVER`` (every rank, the host rank included, sends its commits
-the same way), hands them to the server and sends the replies on ``protocol.TAG_TO_RANK``.
-The rank's half of the exchange is ``client.ServerClient``.
+``ParameterServer`` is the merge rule, the staleness gate and the roll of live ranks, with no
+I/O: it takes a decoded commit (or the news that a rank is gone) and says which replies go
+out now. ``ServerThread`` is the edge: it takes commits from a transport.ServerEnd (MPI, or
+ZeroMQ when the run is fault-tolerant; every rank, the host rank included, commits the same
+way), hands them to the server and sends the replies. The rank's half of the exchange is
+``client.ServerClient``.
+
+Fault tolerance: a rank whose connection closes or falls silent (the transport says so), or
+that sends nothing for ``max(silence_s, silence_rounds x its planned round)`` while not held
+back, is dropped: it leaves the live set, the coordinator re-plans among the survivors, and
+the record names it, when and what it had contributed. What it had merged stays merged.
 
 Merge: ``u = merge_weight[rank] * staleness(excess) * delta``, excess = the versions since the
 delta's base beyond one commit of every other live rank (``ParameterServer.excess``), and the
@@ -18,6 +24,7 @@ releases every waiting rank, so the wait can never deadlock.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import threading
@@ -36,6 +43,7 @@ from .planner import Plan
 from .protocol import Flag, Header, Kind
 from .staleness import Staleness, parse_staleness
 from .stages import Stage
+from .transport import PeerLost, ServerEnd
 
 log = logging.getLogger("ashl.server")
 
@@ -54,11 +62,26 @@ class ServerStats:
     # (rank, shl commit, slowest live) per SHL reply; the latest ones only, so a long run's
     # server memory stays flat
     shl_log: deque = field(default_factory=lambda: deque(maxlen=SHL_LOG_LENGTH))
+    merged_by: list = field(default_factory=list)    # merged commits per rank
+    lost: list = field(default_factory=list)         # LostRank, in the order they went
 
     def to_dict(self) -> dict:
         d = dict(self.__dict__)
         d["shl_log"] = [list(x) for x in self.shl_log]
+        d["lost"] = [dataclasses.asdict(x) for x in self.lost]
         return d
+
+
+@dataclass(frozen=True)
+class LostRank:
+    """A rank the server dropped: when (seconds since the run started), why, and what it had
+    contributed (commits seen, of them merged; merged deltas stay in the global model)."""
+
+    rank: int
+    at_s: float
+    why: str
+    commits: int
+    merged: int
 
 
 @dataclass
@@ -76,6 +99,7 @@ class ParameterServer:
     def __init__(self, initial: torch.Tensor, n_ranks: int, coordinator: Coordinator, *,
                  rank: int = 0, staleness: "str | Staleness" = "none", bound: int = 3,
                  downlink: torch.dtype = torch.float32, outer: Optional[OuterOptimizer] = None,
+                 silence_s: Optional[float] = None, silence_rounds: float = 3.0,
                  clock: Callable[[], float] = time.monotonic):
         if initial.dtype != torch.float32 or initial.dim() != 1:
             raise ValueError("the global model must be a flat fp32 tensor")
@@ -102,7 +126,12 @@ class ParameterServer:
         self.live = set(range(n_ranks))
         self.shl_commits = [0] * n_ranks
         self.waiting: dict[int, Header] = {}     # rank -> the header its reply answers
-        self.stats = ServerStats()
+        self.stats = ServerStats(merged_by=[0] * n_ranks)
+        self.left: set[int] = set()              # ranks that finished or were told to stop
+        # Fault tolerance (None: fail-stop, nobody is ever dropped for silence)
+        self.silence_s, self.silence_rounds = silence_s, float(silence_rounds)
+        self.last_heard = [clock()] * n_ranks
+        self.commit_rate = 0    # adsp's c_target, carried by every reply (REPLY.local_steps)
 
     # ------------------------------------------------------------------ queries
     @property
@@ -120,6 +149,23 @@ class ParameterServer:
         (the merge weights already share it out), not lateness."""
         return max(0, staleness - (len(self.live) - 1))
 
+    @property
+    def lost_ranks(self) -> set[int]:
+        return {x.rank for x in self.stats.lost}
+
+    def silent(self) -> list[tuple[int, str]]:
+        """Live ranks (not this one, not held back) heard from longer ago than their limit:
+        max(silence_s, silence_rounds x the rank's planned round)."""
+        if self.silence_s is None or self.stopped:
+            return []
+        now, plan, out = self.clock(), self.coordinator.plan, []
+        for r in sorted(self.live - {self.rank} - set(self.waiting)):
+            round_s = plan.stage(self.coordinator.stage.planned).rank_round_s[r] if plan else 0.0
+            limit = max(self.silence_s, self.silence_rounds * round_s)
+            if now - self.last_heard[r] > limit:
+                out.append((r, f"silent for {now - self.last_heard[r]:.1f} s (limit {limit:.1f} s)"))
+        return out
+
     def weight(self, rank: int, stage: Stage) -> float:
         plan = self.coordinator.plan
         return float(plan.stage(stage.planned).merge_weights[rank]) if plan else 1.0 / self.n_ranks
@@ -130,17 +176,21 @@ class ParameterServer:
         rank = header.rank
         if header.kind not in (Kind.DENSE_DELTA, Kind.SPARSE_DELTA):
             raise protocol.ProtocolError("kind", f"the server does not take {Kind(header.kind).name}")
+        self.last_heard[rank] = self.clock()
         stage = header.stage
         staleness = max(0, self.version - header.base_version)
         self.stats.max_staleness = max(self.stats.max_staleness, staleness)
         self.stats.bytes_received += protocol.HEADER_SIZE + header.payload_nbytes
         accepted = False
+        if rank not in self.live:   # dropped as lost: its late delta is not merged
+            return [self._reply(rank, header, False)]
         if not self.stopped:   # after DONE, late deltas are not merged
             weight = self.weight(rank, stage) * self.staleness(self.excess(staleness))
             accepted = self.outer.step(self.model, Payload.from_message(header, payload), weight)
             if accepted:
                 self.version += 1
                 self.stats.merged += 1
+                self.stats.merged_by[rank] += 1
             else:
                 self.stats.rejected_nonfinite += 1
                 log.warning("rank %d: commit %d holds NaN/Inf; rejected (rank resumes from the "
@@ -165,9 +215,32 @@ class ParameterServer:
         return self._release()
 
     def tick(self) -> list[OutgoingReply]:
-        """Let time-based stops happen while no commit arrives; release whoever it frees."""
+        """Let time-based stops happen while no commit arrives, drop the ranks that fell
+        silent; release whoever it frees."""
         self.coordinator.tick()
-        return self._release() if self.stopped else []
+        out = [r for rank, why in self.silent() for r in self.lose(rank, why)]
+        return out + (self._release() if self.stopped else [])
+
+    def begin(self) -> None:
+        """Training starts now: every rank's silence is counted from here."""
+        self.last_heard = [self.clock()] * self.n_ranks
+
+    def lose(self, rank: int, why: str) -> list[OutgoingReply]:
+        """Drop `rank` (gone or silent): no reply waits for it, the coordinator re-plans
+        among the survivors; what it merged stays. A rank that had already left is not lost."""
+        if rank not in self.live or rank == self.rank:
+            return []
+        lost = LostRank(rank=rank, at_s=self.clock() - self.coordinator.machine.start_time,
+                        why=why, commits=self.coordinator.machine.commits_of(rank),
+                        merged=self.stats.merged_by[rank])
+        self.stats.lost.append(lost)
+        self.live.discard(rank)
+        self.waiting.pop(rank, None)
+        log.warning("rank %d lost at %.1f s (%s) after %d commits, %d merged; %d ranks live",
+                    rank, lost.at_s, why, lost.commits, lost.merged, len(self.live))
+        if not self.stopped:
+            self.coordinator.lose(rank, f"rank {rank} lost: {why}")
+        return self._release()
 
     def _must_wait(self, rank: int, stage: Stage, directive: Directive) -> bool:
         return (stage == Stage.SHL and directive.stage == Stage.SHL
@@ -184,6 +257,7 @@ class ParameterServer:
     def _leave(self, rank: int, why: str) -> None:
         if rank in self.live:
             self.live.discard(rank)
+            self.left.add(rank)
             log.info("rank %d %s; %d ranks live", rank, why, len(self.live))
 
     def _report(self, h: Header) -> CommitReport:
@@ -206,6 +280,8 @@ class ParameterServer:
             flags |= Flag.ACCEPTED
         if directive.stop or rank not in self.live:
             flags |= Flag.STOP
+        if rank in self.lost_ranks:
+            flags |= Flag.DROPPED
         if directive.plan is not None:
             flags |= Flag.PLAN_FOLLOWS
         if flags & Flag.STOP:
@@ -214,7 +290,7 @@ class ParameterServer:
         header = Header(kind=Kind.REPLY, rank=self.rank, stage=directive.stage,
                         commit=asked.commit, base_version=self.version,
                         plan_version=directive.plan_version, dtype=protocol.DType.of(body.dtype),
-                        numel=body.numel(), flags=flags)
+                        numel=body.numel(), flags=flags, local_steps=self.commit_rate)
         return OutgoingReply(rank, header, body, directive.plan)
 
     def _downlink(self) -> torch.Tensor:
@@ -229,19 +305,19 @@ class ParameterServer:
 class ServerThread:
     """Runs a ParameterServer on this rank: receive, handle, reply, until every rank left."""
 
-    def __init__(self, server: ParameterServer, comm, *, poll_s: float = 2e-4,
-                 lock: Optional[threading.Lock] = None):
+    def __init__(self, server: ParameterServer, end: ServerEnd, *,
+                 lock: Optional[threading.Lock] = None, tick_s: float = 0.25):
         self.server = server
-        self.comm = comm
-        self.poll_s = poll_s
+        self.end = end
         self.lock = lock or threading.Lock()   # shared with whoever else reads the coordinator
-        self.buffer = protocol.MessageBuffer(protocol.max_payload_nbytes(server.model.numel()))
         self.error: Optional[BaseException] = None
         self._stop_reason: Optional[str] = None
-        self.tick_s = 0.25
+        self.tick_s = tick_s
         self._thread = threading.Thread(target=self._run, name="ashl-server", daemon=True)
 
     def start(self) -> "ServerThread":
+        with self.lock:
+            self.server.begin()
         self._thread.start()
         return self
 
@@ -250,57 +326,80 @@ class ServerThread:
         self._stop_reason = reason
 
     def _run(self) -> None:
-        last_tick = time.monotonic()
+        next_tick = time.monotonic() + self.tick_s
         try:
             while self.server.live:
-                if self._stop_reason is not None or time.monotonic() - last_tick > self.tick_s:
-                    last_tick = time.monotonic()
+                if self._stop_reason is not None or time.monotonic() >= next_tick:
+                    next_tick = time.monotonic() + self.tick_s
                     reason, self._stop_reason = self._stop_reason, None
                     with self.lock:
                         replies = self.server.stop(reason) if reason else self.server.tick()
-                    for r in replies:
-                        self._send(r)
-                if not self.comm.Iprobe(source=_any_source(), tag=protocol.TAG_TO_SERVER):
-                    time.sleep(self.poll_s)
-                    continue
+                    self._send_all(replies)
                 try:
-                    msg = protocol.recv(self.comm, self.buffer, tag=protocol.TAG_TO_SERVER,
-                                        model_numel=self.server.model.numel())
+                    event = self.end.poll(max(0.0, next_tick - time.monotonic()))
                 except protocol.ProtocolError as exc:
                     self.server.stats.rejected_invalid += 1
                     log.error("rejected a malformed message: %s", exc)
                     continue
-                with self.lock:
-                    try:
-                        replies = self.server.handle(msg.header, msg.payload)
-                    except (protocol.ProtocolError, IndexError, ValueError) as exc:
-                        self.server.stats.rejected_invalid += 1
-                        log.error("rank %d: rejected commit %d: %s", msg.header.rank,
-                                  msg.header.commit, exc)
-                        replies = [self.server._reply(msg.header.rank, msg.header, False)]
-                for r in replies:
-                    self._send(r)
+                self._serve(event)
         except BaseException as exc:  # noqa: BLE001 - reported to the training thread
             self.error = exc
             log.exception("the parameter server failed")
 
-    def _send(self, r: OutgoingReply) -> None:
+    def _serve(self, event) -> None:
+        """One commit, or one lost peer, from the transport."""
+        if event is None:
+            return
+        if isinstance(event, PeerLost):
+            with self.lock:
+                replies = self.server.lose(event.rank, event.why)
+        else:
+            with self.lock:
+                try:
+                    replies = self.server.handle(event.header, event.payload)
+                except (protocol.ProtocolError, IndexError, ValueError) as exc:
+                    self.server.stats.rejected_invalid += 1
+                    log.error("rank %d: rejected commit %d: %s", event.header.rank,
+                              event.header.commit, exc)
+                    replies = [self.server._reply(event.header.rank, event.header, False)]
+        self._send_all(replies)
+
+    def _send_all(self, replies: list[OutgoingReply]) -> None:
+        for r in replies:
+            if not self._send(r):
+                with self.lock:
+                    more = self.server.lose(r.dest, "unreachable when its reply was sent")
+                self._send_all(more)
+
+    def _send(self, r: OutgoingReply) -> bool:
         header = r.header.replace(sent_at=time.monotonic())   # emulated links deliver from it
-        protocol.send(self.comm, r.dest, header, r.payload, tag=protocol.TAG_TO_RANK)
+        if not self.end.send(r.dest, header, r.payload):
+            return False
         if r.header.flags & Flag.PLAN_FOLLOWS:
             body = protocol.json_payload(r.plan.to_dict())
-            protocol.send(self.comm, r.dest,
-                          Header(kind=Kind.PLAN, rank=self.server.rank, stage=r.header.stage,
-                                 plan_version=r.header.plan_version, dtype=protocol.DType.UINT8,
-                                 numel=body.size),
-                          body, tag=protocol.TAG_TO_RANK)
+            return self.end.send(r.dest, Header(kind=Kind.PLAN, rank=self.server.rank,
+                                                stage=r.header.stage,
+                                                plan_version=r.header.plan_version,
+                                                dtype=protocol.DType.UINT8, numel=body.size),
+                                 body)
+        return True
+
+    def send_final(self, model: torch.Tensor, summary: dict) -> list[int]:
+        """After join(), fault-tolerant runs: the final model and the run's summary to every
+        rank that left the run normally (not this one); the ranks it reached."""
+        body = protocol.json_payload(summary)
+        reached = []
+        for rank in sorted(self.server.left - {self.server.rank}):
+            reply = Header(kind=Kind.REPLY, rank=self.server.rank, stage=Stage.DONE,
+                           base_version=self.server.version, flags=Flag.STOP,
+                           dtype=protocol.DType.FLOAT32, numel=model.numel())
+            end = Header(kind=Kind.SUMMARY, rank=self.server.rank, stage=Stage.DONE,
+                         dtype=protocol.DType.UINT8, numel=body.size)
+            if self.end.send(rank, reply, model) and self.end.send(rank, end, body):
+                reached.append(rank)
+        return reached
 
     def join(self, timeout: Optional[float] = None) -> None:
         self._thread.join(timeout)
         if self.error is not None:
             raise RuntimeError("the parameter server failed") from self.error
-
-
-def _any_source() -> int:
-    from mpi4py import MPI
-    return MPI.ANY_SOURCE

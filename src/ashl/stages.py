@@ -202,10 +202,12 @@ class StageMachine:
 
     @property
     def global_loss(self) -> float | None:
-        """Share-weighted mean of the ranks' latest running losses (None until all reported)."""
-        if any(v is None for v in self._losses):
+        """Share-weighted mean of the ranks' latest running losses (None until every rank
+        with a share has reported; a rank with none, e.g. one lost, does not count)."""
+        counted = [(w, v) for w, v in zip(self._weights, self._losses) if w > 0]
+        if any(v is None for _, v in counted):
             return None
-        return float(sum(w * Fraction(v) for w, v in zip(self._weights, self._losses)))
+        return float(sum(w * Fraction(v) for w, v in counted))
 
     def set_weights(self, shares: Sequence[Fraction]) -> None:
         """Shares D_i that weight the global loss (the current plan's, current stage)."""

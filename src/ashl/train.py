@@ -16,6 +16,9 @@ line on stderr and writes to ``--out``:
                     wall_s, utilization per rank (compute_s / wall_s), bytes_sent, commits,
                     the plan, every rank's counters, the stop reason
     timeline.json   the Chrome trace of the run (ASHL_TIMELINE, unless set by the user)
+    rank<r>.json    with --fault-tolerant: each rank's own counters (no collective may
+                    involve a lost rank, so summary.json's per_rank holds rank 0 alone), and
+                    one timeline.rank<r>.json per rank
     curves.png      accuracy and loss against wall time
 
 Options are checked before MPI starts where possible; a bad one ends the run with one line
@@ -32,7 +35,8 @@ import time
 from typing import Optional, Sequence
 
 from .cli import (OneLineParser, OptionError, add_run_options, check_factor_count,
-                  check_outer, check_run_options, check_strategy, parse_factors, parse_link)
+                  check_fault_tolerant, check_outer, check_run_options, check_strategy,
+                  parse_factors, parse_link)
 from .emulation import Heterogeneity, step_time_from_env
 from .strategies import STRATEGIES
 
@@ -58,6 +62,14 @@ def build_parser(prog: str = PROG) -> OneLineParser:
                    help="what the merged update does to the global model: none, "
                         "nesterov(lr, momentum) or delayed-nesterov(lr, momentum, n) "
                         "(default: the strategy's own; not with bsp)")
+    p.add_argument("--fault-tolerant", action="store_true",
+                   help="survive lost workers (ashl, ssp, asp, adsp, async-localsgd): commits "
+                        "over ZeroMQ, a dead or silent worker is dropped and the others go on; "
+                        "launch with mpirun --enable-recovery (docs/LAUNCHING.md); exit "
+                        "status 3 when a worker was lost")
+    p.add_argument("--fault-timeout", type=float, default=5.0, metavar="S",
+                   help="with --fault-tolerant: a worker silent this long (or 3 of its planned "
+                        "rounds, whichever is longer) is dropped")
     p.add_argument("--out", default=os.path.join("out", "train"), help="output directory")
     p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     return p
@@ -98,6 +110,8 @@ def check_options(args: argparse.Namespace) -> argparse.Namespace:
     if args.outer_optimizer is not None:
         check_outer(args.strategy, args.outer_optimizer,
                     f"--outer-optimizer {args.outer_optimizer!r}")
+    if args.fault_tolerant:
+        check_fault_tolerant(args.strategy, args.fault_timeout)
     if args.max_seconds is None and args.max_commits is None and args.target_accuracy is None:
         raise OptionError("no stop condition: give --max-seconds, --max-commits or "
                           "--target-accuracy")
@@ -337,10 +351,25 @@ class Run:
         self.opt.finish()
         wall = time.perf_counter() - self.start
         final_accuracy = self.evaluate() if self.rank == 0 else None
-        everyone = self.comm.gather(self.rank_result(wall), root=0)
+        if self.args.fault_tolerant:   # no collective may involve a lost rank: each its own
+            everyone = [self.rank_result(wall)]
+            os.makedirs(self.args.out, exist_ok=True)
+            write_json(os.path.join(self.args.out, f"rank{self.rank}.json"), everyone[0])
+        else:
+            everyone = self.comm.gather(self.rank_result(wall), root=0)
         if self.rank == 0:
             self.report(everyone, wall, final_accuracy)
-        return 0
+        return self.exit_status()
+
+    def exit_status(self) -> int:
+        """0, or LOST_RANKS_STATUS when a fault-tolerant run went on without some rank."""
+        from .torch.exit import LOST_RANKS_STATUS
+        lost = self.opt.strategy.lost_ranks
+        for x in lost if self.rank == 0 else ():
+            print(f"{PROG}: worker rank {x['rank']} was lost at "
+                  f"{x['at_s']:.1f} s ({x['why']}) after {x['commits']} commits, "
+                  f"{x['merged']} merged; the run went on without it", file=sys.stderr)
+        return LOST_RANKS_STATUS if lost else 0
 
     # -------------------------------------------------------------- start
     def begin(self) -> None:
@@ -354,6 +383,8 @@ class Run:
                       profile_steps=a.profile_steps)
         if a.outer_optimizer is not None:
             config["outer_optimizer"] = a.outer_optimizer
+        if a.fault_tolerant:
+            config.update(fault_tolerant=True, fault_timeout_s=a.fault_timeout)
         if self.rank == 0:
             config["evaluate"] = self.on_evaluate
         # Ranks finish importing and loading at different times (a loaded host skews them by
@@ -441,7 +472,7 @@ class Run:
         self.progress.close(f"done: acc {final_accuracy:.3f}")
         rows = read_metrics(self.metrics_path)
         summary = build_summary(self.args, everyone, rows, wall, final_accuracy,
-                                self.opt.strategy.stop_reason, self.opt.plan)
+                                self.opt.strategy.stop_reason, self.opt.plan, ranks=self.size)
         out = self.args.out
         write_json(os.path.join(out, "summary.json"), summary)
         title = (f"{self.args.strategy} on {_ranks(self.size)}, "
@@ -456,11 +487,13 @@ class Run:
 
 
 def build_summary(args, everyone: Sequence[dict], rows: Sequence[dict], wall: float,
-                  final_accuracy: float, stop_reason: Optional[str], plan) -> dict:
+                  final_accuracy: float, stop_reason: Optional[str], plan,
+                  ranks: Optional[int] = None) -> dict:
     """summary.json: the job, the outcome, and every rank's counters (`everyone`)."""
     counters = [r["counters"] for r in everyone]
     return {
-        "strategy": args.strategy, "ranks": len(everyone), "model": args.model,
+        "strategy": args.strategy, "ranks": len(everyone) if ranks is None else ranks,
+        "model": args.model,
         "dataset": args.dataset, "seed": args.seed, "batch_size": args.batch_size, "lr": args.lr,
         "compute_slowdown": [r["compute_factor"] for r in everyone],
         "link": [r["link"] for r in everyone],
@@ -476,6 +509,10 @@ def build_summary(args, everyone: Sequence[dict], rows: Sequence[dict], wall: fl
         "local_steps": int(sum(c.get("local_steps") or 0 for c in counters)),
         "evaluations": len(rows),
         "stop_reason": stop_reason,
+        "fault_tolerant": bool(getattr(args, "fault_tolerant", False)),
+        # ranks a fault-tolerant run lost; in such a run per_rank holds rank 0 alone (the
+        # others' counters would need a collective) and server.merged_by the rest
+        "lost_ranks": counters[0].get("lost_ranks", []) if counters else [],
         "plan": None if plan is None else _jsonable(plan.to_dict()),
         "per_rank": list(everyone),
         "files": {"metrics": "metrics.jsonl", "timeline": os.environ.get("ASHL_TIMELINE"),

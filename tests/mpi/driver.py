@@ -23,6 +23,7 @@ from ashl.emulation import ComputeSlowdown, factors_from_string
 from ashl.planner import PlannerConfig, RankProfile
 from ashl.profiler import StepTimer
 from ashl.server import ParameterServer, ServerThread
+from ashl.transport import MPIRankEnd, MPIServerEnd
 from ashl.stages import RunningLoss, Stage, StageConfig
 
 
@@ -103,9 +104,10 @@ def main(argv=None):
     server = None
     if rank == mc.root:
         server = ServerThread(ParameterServer(torch.zeros(numel), size, mc.coordinator,
-                                              rank=rank), wire, lock=mc.lock).start()
-    client = ServerClient(wire, mc.root, rank, numel,
-                          server_error=lambda: None if server is None else server.error)
+                                              rank=rank), MPIServerEnd(wire, numel),
+                              lock=mc.lock).start()
+    client = ServerClient(MPIRankEnd(wire, mc.root, numel, server_error=lambda: (
+        None if server is None else server.error)), rank, numel)
     zeros = [torch.zeros(numel)]
     send_buf = torch.empty(4 * numel, dtype=torch.uint8)
     t_train = time.monotonic()

@@ -97,9 +97,13 @@ def test_baseline_reaches_the_target_on_three_ranks(strategy, tmp_path):
         if strategy == "asp":
             assert server["max_staleness"] > 0                # merged on arrival, stale
         if strategy == "adsp":
+            search = counters[0]["search"]
+            announced = ({1, counters[0]["c_target"]} | {d["c_target"] for d in search["decisions"]}
+                         | {t["c_target"] for t in search["trials"]})
             for c in counters:
                 # time-based commits: many local steps per commit, nobody waits
                 assert c["local_steps"] > 3 * c["commits"]
                 assert c["commit_interval_s"] >= 2.0 / 6 - 1e-9
-                assert c["c_target"] == counters[0]["c_target"]
+                # the scheduler's c_target reaches a worker with its replies
+                assert c["c_target"] in announced
             assert counters[0]["search"]["searches"] >= 1

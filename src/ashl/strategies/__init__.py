@@ -30,6 +30,9 @@ _REGISTRY = {
 }
 STRATEGIES = tuple(_REGISTRY)
 BASELINES = ("bsp", "localsgd", "ssp", "asp", "adsp", "diloco", "async-localsgd")
+# fault_tolerant=True: the asynchronous strategies, which need no round of every rank; the
+# synchronous ones (bsp, ashl-sync, localsgd, diloco) are fail-stop.
+FAULT_TOLERANT = ("ashl", "ssp", "asp", "adsp", "async-localsgd")
 
 
 def strategy_class(name: str):

@@ -56,12 +56,12 @@ from fractions import Fraction
 from typing import Optional, Sequence
 
 from ..stages import Stage
+from ..planner import uniform_plan
 from .ps_baselines import PSBaseline
 from .runtime import world_comm
 
 __all__ = ["fit_loss_curve", "adsp_reward", "CommitRateSearch", "AdspStrategy"]
 
-_CTL_TAG = 7301
 
 
 # ------------------------------------------------------------------ the curve fit (pure)
@@ -286,7 +286,6 @@ class AdspStrategy(PSBaseline):
         world = world_comm(comm)
         super().__init__(model, params, comm=world, merge_weight=Fraction(1, world.Get_size()),
                          **kwargs)
-        self.ctl = world.Dup()      # the scheduler's c_target announcements
         self.check_period_s = float(check_period_s)
         self.min_interval = (self.check_period_s / 6 if min_commit_interval_s is None
                              else float(min_commit_interval_s))
@@ -323,8 +322,17 @@ class AdspStrategy(PSBaseline):
         now = time.perf_counter()
         self.last_commit_s = now - t0
         self._last_commit_end = now
-        if not self.is_server:
-            self._receive_targets()
+
+    def _absorb(self, reply, final: bool) -> None:
+        """A worker takes the scheduler's c_target from the reply to its commit."""
+        super()._absorb(reply, final)
+        if not self.is_server and reply.commit_rate > 0:
+            self.c_target = reply.commit_rate
+
+    def plan_for_survivors(self, profiles):
+        """W += U_i / M over the M workers left."""
+        return uniform_plan(len(profiles), self.local_steps_per_commit,
+                            Fraction(1, len(profiles)), reason=self.name)
 
     def after_step(self, loss) -> None:
         super().after_step(loss)
@@ -334,34 +342,10 @@ class AdspStrategy(PSBaseline):
             c = self.search.update(time.monotonic() - self._t0, g)
             if c != self.c_target:
                 self.c_target = c
-                for r in range(self.size):
-                    if r != self.rank:
-                        self.ctl.send(c, dest=r, tag=_CTL_TAG)
+                with self.mc.lock:    # every reply from now on carries it
+                    self.server.server.commit_rate = c
                 self._sent_targets += 1
                 self.timeline.instant("c_target", c_target=c)
-
-    def _receive_targets(self, until_end: bool = False) -> None:
-        """Workers: take the scheduler's latest c_target (never waits, except at the end
-        for the server rank's end marker, so no message is left behind)."""
-        src = self.server_rank
-        while until_end or self.ctl.Iprobe(source=src, tag=_CTL_TAG):
-            if until_end:
-                while not self.ctl.Iprobe(source=src, tag=_CTL_TAG):
-                    time.sleep(self.poll_s)
-            c = self.ctl.recv(source=src, tag=_CTL_TAG)
-            if c is None:
-                return
-            self.c_target = int(c)
-
-    def _close(self) -> None:
-        if self.is_server:
-            for r in range(self.size):
-                if r != self.rank:
-                    self.ctl.send(None, dest=r, tag=_CTL_TAG)
-        else:
-            self._receive_targets(until_end=True)
-        self.ctl.Free()
-        super()._close()
 
     def counters(self) -> dict:
         c = super().counters()

@@ -63,6 +63,10 @@ class AsyncLocalSgdStrategy(ServerStrategy):
         self.stage = Stage.AHL
         self.adopt_plan(plan)
 
+    def plan_for_survivors(self, profiles):
+        """DyLU among the ranks left: the outer step averages their n pseudo-gradients."""
+        return dylu_plan(profiles, self.H, reason=self.name)
+
     def counters(self) -> dict:
         c = super().counters()
         c["local_steps_max"] = self.H

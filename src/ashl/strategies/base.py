@@ -119,6 +119,7 @@ class Strategy:
     single_stage = False      # baselines: one training stage, shown as "TRAIN"
     profiled = False          # ashl, ashl-sync: timed steps first, then the plan's H_i
     accepts_compression = ()  # names of the compressors this strategy can send with
+    fault_tolerant = False        # this run survives a lost rank: no collective at the end
 
     def __init__(self, model, params, *, comm, sampler=None, heterogeneity=None,
                  evaluate: Optional[Callable[[], float]] = None, eval_every_s: float = 2.0,
@@ -234,6 +235,11 @@ class Strategy:
         return [] if machine is None else [
             {"at_s": t.at_s, "commits": t.commits, "from": t.from_stage.value,
              "to": t.to_stage.value, "reason": t.reason} for t in machine.transitions]
+
+    @property
+    def lost_ranks(self) -> list[dict]:
+        """The ranks a fault-tolerant run lost (none for a fail-stop one)."""
+        return []
 
     def counters(self) -> dict:
         return {"local_steps": self.local_steps, "commits": self.commits,
@@ -360,7 +366,10 @@ class Strategy:
 
     def _write_timeline(self) -> None:
         path = timeline_path()   # every rank agrees on it: the gather is collective
-        if path:
+        if path and self.fault_tolerant:   # no collective: each rank its own file
+            events = [[]] * self.rank + [self.timeline.events]
+            write_chrome_trace(f"{path.removesuffix('.json')}.rank{self.rank}.json", events)
+        elif path:
             traces = self.comm.gather(self.timeline.events, root=self.control_rank)
             if self.rank == self.control_rank:
                 write_chrome_trace(path, traces)

@@ -13,7 +13,9 @@ round ends.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import time
 from typing import Optional
 
@@ -25,14 +27,25 @@ from ..compression import Compression, Compressor, Residual, check_compression
 from ..coordinator import DriftConfig, MPICoordinator
 from ..outer import make_outer
 from ..outer_spec import parse_outer, resolve_outer
-from ..planner import Plan, PlannerConfig
+from ..planner import Plan, PlannerConfig, make_plan
 from ..server import ParameterServer, ServerThread
 from ..stages import Stage, StageConfig
+from ..transport import open_ends
 from .base import Strategy
 from .model_state import verify_same_model
 from .runtime import world_comm
 
 log = logging.getLogger("ashl")
+
+
+def check_fault_tolerance(fault_tolerant, timeout_s) -> bool:
+    """fault_tolerant= must be a bool and fault_timeout_s= a number of seconds > 0."""
+    if not isinstance(fault_tolerant, bool):
+        raise ValueError(f"fault_tolerant must be True or False, got {fault_tolerant!r}")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) \
+            or not math.isfinite(timeout_s) or timeout_s <= 0:
+        raise ValueError(f"fault_timeout_s must be a number of seconds > 0, got {timeout_s!r}")
+    return fault_tolerant
 
 
 class ServerStrategy(Strategy):
@@ -49,7 +62,8 @@ class ServerStrategy(Strategy):
                  stage_config: Optional[StageConfig] = None,
                  drift_config: Optional[DriftConfig] = None,
                  evaluate=None, eval_every_s: float = 2.0, poll_s: float = 2e-4,
-                 heterogeneity=None, profile_steps: int = 10):
+                 heterogeneity=None, profile_steps: int = 10, fault_tolerant: bool = False,
+                 fault_timeout_s: float = 5.0):
         world = world_comm(comm)
         super().__init__(model, params, comm=world, sampler=sampler, heterogeneity=heterogeneity,
                          evaluate=evaluate, eval_every_s=eval_every_s, control_rank=server_rank,
@@ -63,16 +77,23 @@ class ServerStrategy(Strategy):
                              "buffers: what top-k does not send is kept for the next commit "
                              "(error feedback) in fp32; this model has "
                              f"{sorted({str(t.dtype) for t in self.tensors})}")
+        self.fault_tolerant = check_fault_tolerance(fault_tolerant, fault_timeout_s)
+        self.fault_timeout_s = float(fault_timeout_s)
         self.mc = MPICoordinator(world, root=server_rank, planner_config=planner_config,
                                  stage_config=stage_config, drift_config=drift_config)
+        if self.is_server:
+            self.mc.coordinator.plan_for = self.plan_for_survivors
         self.wire = world.Dup()              # commits and replies: a tag space of their own
-        self.client = ServerClient(self.wire, server_rank, self.rank, self.numel,
-                                   heterogeneity=self.hetero, poll_s=poll_s,
-                                   server_error=self._server_error)
+        self.server_end, end = open_ends(self.wire, server_rank, self.numel,
+                                         fault_tolerant=self.fault_tolerant,
+                                         timeout_s=self.fault_timeout_s, poll_s=poll_s,
+                                         server_error=self._server_error)
+        self.client = ServerClient(end, self.rank, self.numel, heterogeneity=self.hetero)
+        self.run_summary: Optional[dict] = None   # fault-tolerant: the server's word on the end
+        self.dropped = False                 # the server dropped this rank as lost
         self.staleness, self.bound, self.downlink = staleness, bound, downlink
         self.outer_spec = parse_outer(self.default_outer if outer_optimizer is None
                                       else outer_optimizer)
-        self.poll_s = poll_s
         self.anchors: Optional[list[torch.Tensor]] = None
         self.residual = Residual(self.tensors) if all(
             t.dtype == torch.float32 for t in self.tensors) else None
@@ -80,6 +101,7 @@ class ServerStrategy(Strategy):
         self.scratch: Optional[torch.Tensor] = None  # fp32 delta for compressors that need it
         self.server: Optional[ServerThread] = None
         self.version = 0                     # global version of the model we hold
+        self.accepted = 0                    # commits the server said it merged
         self._resume: Optional[dict] = None
         self._evaluated_model: Optional[torch.Tensor] = None   # the model that met the target
 
@@ -87,6 +109,15 @@ class ServerStrategy(Strategy):
     @property
     def is_server(self) -> bool:
         return self.rank == self.server_rank
+
+    @property
+    def lost_ranks(self) -> list[dict]:
+        """Fault-tolerant runs: the ranks the server dropped (rank, at_s, why, commits,
+        merged), where this rank knows them (the server rank always; the others at the end)."""
+        if self.server is not None:
+            with self.mc.lock:
+                return [dataclasses.asdict(x) for x in self.server.server.stats.lost]
+        return list((self.run_summary or {}).get("lost", []))
 
     def machine(self):
         return self.mc.coordinator.machine if self.is_server else None
@@ -119,6 +150,11 @@ class ServerStrategy(Strategy):
     def _server_error(self) -> Optional[BaseException]:
         return None if self.server is None else self.server.error
 
+    def plan_for_survivors(self, profiles) -> Plan:
+        """The plan of a subset of the ranks (the survivors of a lost one), index j = the
+        j-th survivor: profiled ranks re-plan from their profiles."""
+        return make_plan(profiles, self.mc.coordinator.planner_config)
+
     # ----------------------------------------------------------------------- the round
     def _start(self) -> None:
         # The model as broadcast before training: the anchor of the first delta and, on
@@ -133,8 +169,9 @@ class ServerStrategy(Strategy):
                            device=model.device, params_numel=self.params_numel)
         server = ParameterServer(model, self.size, self.mc.coordinator, rank=self.rank,
                                  staleness=self.staleness, bound=self.bound,
-                                 downlink=self.downlink, outer=outer)
-        self.server = ServerThread(server, self.wire, poll_s=self.poll_s, lock=self.mc.lock)
+                                 downlink=self.downlink, outer=outer,
+                                 silence_s=self.fault_timeout_s if self.fault_tolerant else None)
+        self.server = ServerThread(server, self.server_end, lock=self.mc.lock)
 
     def _exchange(self, final: bool = False) -> None:
         start = time.time()
@@ -169,6 +206,7 @@ class ServerStrategy(Strategy):
             kernels.unpack_assign(self.tensors, self.anchors, reply.model)
         if reply.plan is not None:
             self.adopt_plan(reply.plan)
+        self.accepted += reply.accepted
         if not (reply.accepted or reply.stop):
             self.rejected += 1
             if self.residual is not None:
@@ -177,9 +215,11 @@ class ServerStrategy(Strategy):
             log.warning("rank %d: commit %d was rejected by the server; resuming from the "
                         "global model", self.rank, self.commits - 1)
         self.version = reply.version
+        self.dropped = reply.dropped
         # A rank's own last commit is answered with STOP too: that is not a reason.
         self._follow(Stage.DONE if reply.stop else reply.stage,
-                     "the server ended the run" if reply.stop and not final else None)
+                     "the server had dropped this rank as lost" if reply.dropped
+                     else "the server ended the run" if reply.stop and not final else None)
 
     def _evaluate(self) -> None:
         """Server rank: the evaluation callback on the model just received; a target met
@@ -204,21 +244,45 @@ class ServerStrategy(Strategy):
 
     # ------------------------------------------------------------------------- the end
     def _final_model(self) -> None:
-        """The server's final global model on every rank, and why the run ended."""
+        """The server's final global model on every rank, and why the run ended: a
+        broadcast, or in a fault-tolerant run (no collective may involve a lost rank) one
+        message from the server to every rank that left the run."""
         final = torch.empty(self.numel, dtype=torch.float32)
         if self.server is not None:
             self.server.join()
             if self._evaluated_model is not None:   # the server's model is that one too
                 self.server.server.model.copy_(self._evaluated_model)
             final.copy_(self.server.server.model)
+        if self.fault_tolerant:
+            self._final_model_by_message(final)
+            return
         self.wire.Bcast(final.numpy(), root=self.server_rank)
         kernels.unpack_assign(self.tensors, self.anchors, final)
         reason = self.wire.bcast(self.stop_reason if self.is_server else None,
                                  root=self.server_rank)
         self._stop_reason = reason or self._stop_reason
 
+    def _final_model_by_message(self, final: torch.Tensor) -> None:
+        if self.is_server:
+            with self.mc.lock:
+                stats = self.server.server.stats
+                self.run_summary = {"stop_reason": self.mc.coordinator.machine.stop_reason,
+                                    "merged": stats.merged, "merged_by": list(stats.merged_by),
+                                    "lost": [dataclasses.asdict(x) for x in stats.lost]}
+            self.server.send_final(final, self.run_summary)
+        elif self.dropped:
+            return        # it keeps the global model of its last reply; nobody waits for it
+        else:
+            model, self.run_summary = self.client.final()
+            final.copy_(model)
+        kernels.unpack_assign(self.tensors, self.anchors, final)
+        self._stop_reason = self.run_summary.get("stop_reason") or self._stop_reason
+
     def _close(self) -> None:
-        self.mc.close()
+        self.mc.close(collective=not self.fault_tolerant)
+        self.client.end.close()
+        if self.server_end is not None:
+            self.server_end.close()
         self.wire.Free()
 
     # --------------------------------------------------------------------- checkpoints
@@ -296,9 +360,13 @@ class ServerStrategy(Strategy):
     def counters(self) -> dict:
         c = super().counters()
         c["version"] = self.version
+        c["accepted"] = self.accepted
         if self.server is not None:
             with self.mc.lock:     # the server thread appends to its stats under the lock
                 c["server"] = self.server.server.stats.to_dict()
                 outer = self.server.server.outer
                 c["outer"] = {"spec": str(outer.spec), "updates": outer.updates}
+        if self.fault_tolerant:
+            c["lost_ranks"] = self.lost_ranks
+            c["dropped"] = self.dropped
         return c

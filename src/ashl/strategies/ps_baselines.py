@@ -56,6 +56,11 @@ class PSBaseline(ServerStrategy):
     def local_steps_target(self) -> int:
         return self.local_steps_per_commit
 
+    def plan_for_survivors(self, profiles):
+        """The same fixed plan over the ranks left (equal shares among them)."""
+        return uniform_plan(len(profiles), self.local_steps_per_commit, self.merge_weight,
+                            reason=self.name)
+
     def _make_plan(self) -> None:
         """No profiling: every rank builds the same fixed plan; the server rank starts the
         server and the coordinator in the run's single stage. Not collective (a commit

@@ -15,15 +15,25 @@ MPI are still alive.
   touched; the job's status is the rank's own. (``sys.exit`` is wrapped to see its status:
   a SystemExit reaches no excepthook. A bare ``raise SystemExit(1)``, ``exit()`` and
   ``os._exit`` are not seen; a ``sys.exit(1)`` the script catches still counts.)
+- A fault-tolerant run (``fault_tolerant=True``) never aborts the job and never calls
+  MPI_Finalize, which can hang once a peer has died: a failing rank leaves with its own
+  status (the others go on without it, as without any lost rank), and at the normal end the
+  process exits with ``LOST_RANKS_STATUS`` (3) if the run lost a rank, else 0, after
+  flushing its output. (mpirun --enable-recovery reports 0 whatever its ranks' statuses
+  are: ``python -m ashl.run`` gives a job the status its ranks meant.)
 """
 from __future__ import annotations
 
 import atexit
+import logging
+import os
 import sys
 import threading
 import traceback
 
-__all__ = ["leave_at_exit"]
+__all__ = ["leave_at_exit", "LOST_RANKS_STATUS", "exit_without_finalize", "end_failed_start"]
+
+LOST_RANKS_STATUS = 3         # a fault-tolerant run ended, but without some of its ranks
 
 _optimizers: list = []
 _failure: list = []           # the uncaught exception that is ending the interpreter, if any
@@ -65,11 +75,18 @@ def _recording_exit(exit_):
 
 def _at_exit() -> None:
     # Only runs on a real MPI world are left here (a test's in-process fake world is not).
-    live = [o for o in _optimizers if not getattr(o, "_ashl_closed", False)
-            and type(o._ashl.comm).__module__.startswith("mpi4py")]
+    real = [o for o in _optimizers if type(o._ashl.comm).__module__.startswith("mpi4py")]
     _optimizers.clear()
-    if not live:
-        return
+    live = [o for o in real if not getattr(o, "_ashl_closed", False)]
+    if live:
+        _leave(live)
+    tolerant = [o._ashl for o in real if o._ashl.fault_tolerant]
+    if tolerant:
+        lost = sorted({x["rank"] for s in tolerant for x in s.lost_ranks})
+        exit_without_finalize(LOST_RANKS_STATUS if lost else 0, tolerant[0], lost)
+
+
+def _leave(live: list) -> None:
     from mpi4py import MPI
     if MPI.Is_finalized():
         print(f"ashl: rank {live[0]._ashl.rank}: MPI was shut down before the run was left "
@@ -92,7 +109,41 @@ def _at_exit() -> None:
 
 def _abort(optimizer, why: str, code: int = 1) -> None:
     strategy = optimizer._ashl
+    if strategy.fault_tolerant:
+        print(f"ashl: rank {strategy.rank} of {strategy.size} ended with {why}; it leaves the "
+              "run (fault-tolerant: the others go on without it)", file=sys.stderr, flush=True)
+        exit_without_finalize(code, strategy)
     print(f"ashl: rank {strategy.rank} of {strategy.size} ended with {why}; ending the job "
           "(the other ranks cannot finish without it)", file=sys.stderr, flush=True)
     from mpi4py import MPI
     MPI.COMM_WORLD.Abort(code)
+
+
+def end_failed_start(exc: BaseException, comm=None) -> None:
+    """A fault-tolerant optimizer failed to start on this rank: under mpirun
+    --enable-recovery the others would wait in the start-up collectives for ever, so the
+    job ends (MPI_Abort) after the error is printed. A test's in-process world is left as
+    it is (the error is raised)."""
+    if comm is not None and not type(comm).__module__.startswith("mpi4py"):
+        return
+    from mpi4py import MPI
+    traceback.print_exception(exc)
+    print(f"ashl: rank {MPI.COMM_WORLD.Get_rank()}: the fault-tolerant run could not start "
+          f"({type(exc).__name__}: {exc}); ending the job", file=sys.stderr, flush=True)
+    MPI.COMM_WORLD.Abort(1)
+
+
+def exit_without_finalize(status: int, strategy=None, lost=()) -> None:
+    """End the process now with `status`, its output flushed, without MPI_Finalize (which
+    can hang once a peer has died) or the exit handlers registered before ashl's; the status
+    is also left for ``python -m ashl.run`` (ashl.run.write_status)."""
+    if strategy is not None:
+        from ..run import write_status
+        write_status(strategy.rank, strategy.size, status, list(lost))
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(status)

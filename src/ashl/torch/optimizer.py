@@ -11,8 +11,8 @@ from typing import Optional
 
 import torch
 
-from ..strategies import make_strategy
-from .exit import leave_at_exit
+from ..strategies import FAULT_TOLERANT, make_strategy
+from .exit import end_failed_start, leave_at_exit
 from .horovod_keywords import HorovodKeywords
 
 log = logging.getLogger("ashl")
@@ -128,7 +128,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         "delayed-nesterov(lr, momentum, n)", applied to the merged deltas (ashl.outer);
         local_steps for localsgd, diloco and async-localsgd; profile_steps, staleness_fn,
         server_rank, planner_config, stage_config, drift_config, evaluate, eval_every_s,
-        heterogeneity).
+        heterogeneity; fault_tolerant=True and fault_timeout_s for the asynchronous strategies:
+        a worker that dies or falls silent is dropped and the others go on, docs/LAUNCHING.md).
 
     ``finish()`` is optional: a rank leaves the run by itself when the interpreter exits
     (before MPI is finalised), and every rank ends with the final global model.
@@ -143,8 +144,13 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         named_parameters = list(named_parameters)
     params = _params(optimizer, model, named_parameters)
     kwargs = _strategy_options(strategy, staleness, config)
-    engine = make_strategy(strategy, model, params, sampler=sampler, compression=compression,
-                           **kwargs)
+    try:
+        engine = make_strategy(strategy, model, params, sampler=sampler,
+                               compression=compression, **kwargs)
+    except Exception as exc:
+        if kwargs.get("fault_tolerant"):
+            end_failed_start(exc, kwargs.get("comm"))
+        raise
     if strategy == "bsp":
         wrapped = _wrap_horovod(optimizer, model, named_parameters,
                                 dict(horovod.for_horovod(), compression=engine.horovod_compression))
@@ -176,6 +182,10 @@ def _strategy_options(strategy: str, staleness, config: dict) -> dict:
     if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
         raise ValueError(f"staleness must be an integer >= 0, got {staleness!r}")
     kwargs = dict(config)
+    if kwargs.get("fault_tolerant") and strategy not in FAULT_TOLERANT:
+        raise ValueError(f"fault_tolerant=True: strategy {strategy!r} is synchronous and "
+                         "fail-stop (every round needs every rank); a run that survives a lost "
+                         f"worker uses {', '.join(FAULT_TOLERANT)}")
     if strategy == "bsp" and kwargs.get("outer_optimizer") is not None:
         raise ValueError("outer_optimizer: strategy 'bsp' averages gradients every step "
                          "(Horovod's DistributedOptimizer); an outer optimizer needs a strategy "

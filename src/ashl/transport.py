@@ -1,0 +1,357 @@
+"""How commits and replies travel: one interface, two transports.
+
+The server's end (``ServerEnd``) waits for the next commit or for news that a peer is gone,
+and sends replies; a rank's end (``RankEnd``) sends its commit and waits for the answer.
+Both carry exactly the messages of protocol.py (one 128-byte header, then the payload).
+
+- ``MPI``: point-to-point on a duplicate of the job's communicator (the default). Fail-stop:
+  Open MPI ends the job when a rank dies, so a peer is never reported lost.
+- ``ZeroMQ`` (``fault_tolerant=True``): a ROUTER socket on the server rank, one DEALER per
+  rank. A dead process closes its TCP connection, and the ROUTER's socket monitor reports
+  the disconnect at once (the connection's file descriptor, mapped to the rank whose
+  messages came through it); a silent one (a host gone, a frozen process) stops answering
+  the ZMTP heartbeats and is disconnected after ``timeout_s``. A rank sees the server's
+  disconnect the same way, through a socket monitor. Under ``mpirun --enable-recovery`` MPI
+  traffic towards a dead rank can deadlock Open MPI's TCP transport; ZeroMQ's cannot
+  (docs/LAUNCHING.md has the measurements).
+
+Both ends copy a payload once into the transport (ZeroMQ) or not at all (MPI), so a caller
+may reuse its buffer as soon as ``send`` returns.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional, Union
+
+from . import protocol
+from .protocol import Header, Message, MessageBuffer
+
+__all__ = ["PeerLost", "ServerLost", "ServerEnd", "RankEnd", "MPIServerEnd", "MPIRankEnd",
+           "ZmqServerEnd", "ZmqRankEnd", "advertised_hosts", "pick_host", "open_ends"]
+
+
+@dataclass(frozen=True)
+class PeerLost:
+    """The server's end saw rank `rank` go (its connection closed or fell silent)."""
+
+    rank: int
+    why: str
+
+
+class ServerLost(RuntimeError):
+    """A rank's end lost the parameter server."""
+
+
+class ServerEnd:
+    """The server's end of the commit transport."""
+
+    fault_tolerant = False
+
+    def poll(self, timeout_s: float) -> Union[Message, PeerLost, None]:
+        """The next commit, or a lost peer, or None after `timeout_s` of nothing; a malformed
+        message raises protocol.ProtocolError (it is consumed, the stream stays in step)."""
+        raise NotImplementedError
+
+    def send(self, dest: int, header: Header, payload=None) -> bool:
+        """Send one message to rank `dest`; False if that rank is gone."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class RankEnd:
+    """A rank's end of the commit transport."""
+
+    def send(self, header: Header, payload=None) -> None:
+        raise NotImplementedError
+
+    def recv(self, buffer: MessageBuffer) -> Message:
+        """The server's next message (a reply, a plan, the run's end); raises ServerLost."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+# --------------------------------------------------------------------------- MPI
+
+class MPIServerEnd(ServerEnd):
+    """Commits on ``protocol.TAG_TO_SERVER`` from any rank, replies on ``TAG_TO_RANK``."""
+
+    def __init__(self, comm, model_numel: int, *, poll_s: float = 2e-4):
+        self.comm, self.model_numel, self.poll_s = comm, model_numel, poll_s
+        self.buffer = MessageBuffer(protocol.max_payload_nbytes(model_numel))
+
+    def poll(self, timeout_s: float):
+        from mpi4py import MPI
+        deadline = time.monotonic() + timeout_s
+        while not self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=protocol.TAG_TO_SERVER):
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(self.poll_s)   # Open MPI's blocking probe would spin a core
+        return protocol.recv(self.comm, self.buffer, tag=protocol.TAG_TO_SERVER,
+                             model_numel=self.model_numel)
+
+    def send(self, dest: int, header: Header, payload=None) -> bool:
+        protocol.send(self.comm, dest, header, payload, tag=protocol.TAG_TO_RANK)
+        return True
+
+
+class MPIRankEnd(RankEnd):
+    """Commits to `server_rank`; waits for the answer without spinning a core, and gives up
+    when `server_error()` says the server thread on this rank has died."""
+
+    def __init__(self, comm, server_rank: int, model_numel: int, *, poll_s: float = 2e-4,
+                 server_error: Callable[[], Optional[BaseException]] = lambda: None):
+        self.comm, self.server_rank, self.model_numel = comm, server_rank, model_numel
+        self.poll_s, self.server_error = poll_s, server_error
+
+    def send(self, header: Header, payload=None) -> None:
+        protocol.send(self.comm, self.server_rank, header, payload, tag=protocol.TAG_TO_SERVER)
+
+    def recv(self, buffer: MessageBuffer) -> Message:
+        while not self.comm.Iprobe(source=self.server_rank, tag=protocol.TAG_TO_RANK):
+            error = self.server_error()
+            if error is not None:
+                raise ServerLost("the parameter server failed") from error
+            time.sleep(self.poll_s)
+        return protocol.recv(self.comm, buffer, source=self.server_rank,
+                             tag=protocol.TAG_TO_RANK, model_numel=self.model_numel)
+
+
+# ------------------------------------------------------------------------ ZeroMQ
+
+def _identity(rank: int) -> bytes:
+    return b"ashl-rank-%d" % rank
+
+
+def _rank_of(identity: bytes) -> Optional[int]:
+    prefix = b"ashl-rank-"
+    if identity.startswith(prefix) and identity[len(prefix):].isdigit():
+        return int(identity[len(prefix):])
+    return None
+
+
+def _heartbeats(sock, heartbeat_s: float, timeout_s: float) -> None:
+    import zmq
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(heartbeat_s * 1000)))
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, int(timeout_s * 1000)))
+    sock.setsockopt(zmq.SNDHWM, 0)   # never drop a reply or a commit
+    sock.setsockopt(zmq.RCVHWM, 0)
+
+
+def _recv_frames(sock, buffer: MessageBuffer) -> int:
+    """The header and payload frames of one message, into `buffer`; the byte count (an
+    oversized payload is drained and reported as its true size)."""
+    import zmq
+    n = sock.recv_into(buffer.array[:protocol.HEADER_SIZE])
+    if not sock.getsockopt(zmq.RCVMORE):
+        return n
+    room = buffer.array[protocol.HEADER_SIZE:]
+    n += sock.recv_into(room)
+    while sock.getsockopt(zmq.RCVMORE):   # a peer that sent more frames than a message has
+        n += len(sock.recv())
+    return n
+
+
+def _parts(header: Header, payload) -> list:
+    head = protocol.encode(header)
+    want = header.payload_nbytes
+    if want == 0:
+        return [head]
+    if payload is None:
+        raise ValueError(f"{protocol.Kind(header.kind).name} needs a {want}-byte payload")
+    body = protocol._as_bytes(payload)
+    if body.size != want:
+        raise ValueError(f"payload has {body.size} bytes but the header says {want}")
+    return [head, body]
+
+
+class ZmqServerEnd(ServerEnd):
+    """A ROUTER bound on every interface at a free port (``port``); peers are told apart by
+    their identity, which names their rank."""
+
+    fault_tolerant = True
+
+    def __init__(self, world_size: int, model_numel: int, *, heartbeat_s: float = 0.5,
+                 timeout_s: float = 5.0, port: int = 0):
+        import zmq
+        self.world_size, self.model_numel, self.timeout_s = world_size, model_numel, timeout_s
+        self.context = zmq.Context(io_threads=1)
+        self.sock = self.context.socket(zmq.ROUTER)
+        _heartbeats(self.sock, heartbeat_s, timeout_s)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)   # a reply to a gone peer fails, not vanishes
+        # (ROUTER_NOTIFY would name the peer, but is a draft option the wheels do not build)
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.poller = zmq.Poller()
+        self.poller.register(self.sock, zmq.POLLIN)
+        self.poller.register(self.monitor, zmq.POLLIN)
+        self.fd_rank: dict[int, int] = {}   # connection -> the rank whose messages it carries
+        if port:
+            self.sock.bind(f"tcp://*:{port}")
+            self.port = port
+        else:
+            self.port = self.sock.bind_to_random_port("tcp://*")
+        self.buffer = MessageBuffer(protocol.max_payload_nbytes(model_numel))
+
+    def poll(self, timeout_s: float):
+        import zmq
+        from zmq.utils.monitor import recv_monitor_message
+        ready = dict(self.poller.poll(int(max(0.0, timeout_s) * 1000)))
+        if self.monitor in ready:
+            event = recv_monitor_message(self.monitor)
+            rank = self.fd_rank.pop(event["value"], None)
+            if event["event"] == zmq.EVENT_DISCONNECTED and rank is not None:
+                return PeerLost(rank, "its connection closed (the process died, or was silent "
+                                "past the heartbeat timeout)")
+        if self.sock not in ready:
+            return None
+        frame = self.sock.recv(copy=False)
+        identity, rank = frame.bytes, _rank_of(frame.bytes)
+        count = _recv_frames(self.sock, self.buffer)
+        if rank is None or not 0 <= rank < self.world_size:
+            raise protocol.ProtocolError("rank", f"a message from unknown peer {identity[:32]!r}")
+        if count > self.buffer.tensor.numel():
+            raise protocol.ProtocolError("length", f"a {count}-byte message from rank {rank} "
+                                         f"exceeds the {self.buffer.tensor.numel()}-byte buffer")
+        self.fd_rank[frame.get(zmq.SRCFD)] = rank
+        return protocol.received(self.buffer, count, rank, world_size=self.world_size,
+                                 model_numel=self.model_numel)
+
+    def send(self, dest: int, header: Header, payload=None) -> bool:
+        import zmq
+        try:
+            self.sock.send_multipart([_identity(dest)] + _parts(header, payload))
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.EHOSTUNREACH:
+                return False
+            raise
+        return True
+
+    def close(self) -> None:
+        # Linger: the final messages may still be queued; a gone peer cannot hold it longer.
+        self.sock.disable_monitor()
+        self.monitor.close(linger=0)
+        self.sock.close(linger=int(self.timeout_s * 1000))
+        self.context.term()
+
+
+class ZmqRankEnd(RankEnd):
+    """A DEALER connected to the server's ROUTER at `endpoint`, with identity `rank`."""
+
+    DRAIN_S = 0.5     # after the server's disconnect: messages it sent before may still land
+
+    def __init__(self, endpoint: str, rank: int, model_numel: int, *, world_size: int,
+                 server_rank: int, heartbeat_s: float = 0.5, timeout_s: float = 5.0):
+        import zmq
+        self.endpoint, self.model_numel = endpoint, model_numel
+        self.world_size, self.server_rank = world_size, server_rank
+        self.timeout_s = timeout_s
+        self.context = zmq.Context(io_threads=1)
+        self.sock = self.context.socket(zmq.DEALER)
+        _heartbeats(self.sock, heartbeat_s, timeout_s)
+        self.sock.setsockopt(zmq.ROUTING_ID, _identity(rank))
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self.connected = False
+        self.sock.connect(endpoint)
+        self.poller = zmq.Poller()
+        self.poller.register(self.sock, zmq.POLLIN)
+        self.poller.register(self.monitor, zmq.POLLIN)
+
+    def send(self, header: Header, payload=None) -> None:
+        self.sock.send_multipart(_parts(header, payload))
+
+    def recv(self, buffer: MessageBuffer) -> Message:
+        import zmq
+        from zmq.utils.monitor import recv_monitor_message
+        started, lost_at = time.monotonic(), None
+        while True:
+            ready = dict(self.poller.poll(50 if lost_at else 250))
+            if self.sock in ready:   # what arrived before a disconnect is still the server's
+                count = _recv_frames(self.sock, buffer)
+                if count > buffer.tensor.numel():
+                    raise protocol.ProtocolError("length", f"a {count}-byte message exceeds the "
+                                                 f"{buffer.tensor.numel()}-byte buffer")
+                return protocol.received(buffer, count, self.server_rank,
+                                         world_size=self.world_size, model_numel=self.model_numel)
+            if self.monitor in ready:
+                event = recv_monitor_message(self.monitor)["event"]
+                if event == zmq.EVENT_DISCONNECTED:
+                    lost_at = lost_at or time.monotonic()
+                self.connected = self.connected or event == zmq.EVENT_CONNECTED
+            now = time.monotonic()
+            if lost_at is not None and now - lost_at > self.DRAIN_S:
+                raise ServerLost(f"lost the parameter server (rank {self.server_rank}, "
+                                 f"{self.endpoint}): its connection closed")
+            if not self.connected and now - started > self.timeout_s:
+                raise ServerLost(f"could not reach the parameter server (rank "
+                                 f"{self.server_rank}) at {self.endpoint} in {self.timeout_s:g} s")
+
+    def close(self) -> None:
+        self.sock.disable_monitor()
+        self.monitor.close(linger=0)
+        self.sock.close(linger=0)
+        self.context.term()
+
+
+# ----------------------------------------------------------------- the endpoint
+
+def advertised_hosts() -> list[str]:
+    """The server host's IPv4 addresses a rank may connect to, loopback last."""
+    import psutil
+    found = []
+    for addrs in psutil.net_if_addrs().values():
+        for a in addrs:
+            if a.family == socket.AF_INET and a.address not in found:
+                found.append(a.address)
+    return sorted(found, key=lambda a: a.startswith("127.")) or ["127.0.0.1"]
+
+
+def pick_host(server_hosts: list[str]) -> str:
+    """Which of the server's addresses this rank connects to: loopback when the server is on
+    this host (it has one of our addresses), else one on a subnet of this host's own
+    interfaces, else the first. ASHL_SERVER_HOST overrides (a cluster whose routing this
+    cannot guess)."""
+    if os.environ.get("ASHL_SERVER_HOST"):
+        return os.environ["ASHL_SERVER_HOST"]
+    import ipaddress
+    import psutil
+    own = [a for addrs in psutil.net_if_addrs().values() for a in addrs
+           if a.family == socket.AF_INET and not a.address.startswith("127.")]
+    if any(a.address in server_hosts for a in own) or not any(
+            not h.startswith("127.") for h in server_hosts):
+        return "127.0.0.1"
+    nets = [ipaddress.ip_interface(f"{a.address}/{a.netmask}").network for a in own if a.netmask]
+    for host in server_hosts:
+        if any(ipaddress.ip_address(host) in net for net in nets):
+            return host
+    return server_hosts[0]
+
+
+def open_ends(comm, server_rank: int, model_numel: int, *, fault_tolerant: bool,
+              timeout_s: float = 5.0, heartbeat_s: float = 0.5, poll_s: float = 2e-4,
+              server_error: Callable[[], Optional[BaseException]] = lambda: None):
+    """(server end on `server_rank` else None, this rank's end), over `comm` (a duplicate
+    of the job's communicator). Collective when fault-tolerant: the server rank binds its
+    ROUTER and broadcasts where it listens; every rank connects to it."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if not fault_tolerant:
+        server = MPIServerEnd(comm, model_numel, poll_s=poll_s) if rank == server_rank else None
+        return server, MPIRankEnd(comm, server_rank, model_numel, poll_s=poll_s,
+                                  server_error=server_error)
+    server = None
+    where = None
+    if rank == server_rank:
+        server = ZmqServerEnd(size, model_numel, heartbeat_s=heartbeat_s, timeout_s=timeout_s,
+                              port=int(os.environ.get("ASHL_SERVER_PORT", "0")))
+        where = {"hosts": advertised_hosts(), "port": server.port}
+    where = comm.bcast(where, root=server_rank)
+    host = "127.0.0.1" if rank == server_rank else pick_host(where["hosts"])
+    end = ZmqRankEnd(f"tcp://{host}:{where['port']}", rank, model_numel, world_size=size,
+                     server_rank=server_rank, heartbeat_s=heartbeat_s, timeout_s=timeout_s)
+    return server, end

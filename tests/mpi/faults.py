@@ -1,0 +1,110 @@
+"""Real faults in real runs: a fault-tolerant ``python -m ashl.train`` under
+``python -m ashl.run mpirun --enable-recovery``, and a kill -9 of chosen ranks at chosen
+points of the run (read from rank 0's metrics.jsonl as it is written)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import psutil
+
+from _util import mpi_env
+
+# GPU-like steps (20 ms x factor) on uneven ranks, so the plan is the same on a busy
+# machine; a small learning rate, so the target takes 10-20 s and there is time to kill.
+ENV = {"ASHL_EMULATE_STEP_TIME": "0.02", "OMP_NUM_THREADS": "1"}
+TARGET = 0.96
+TRAIN = ("--model", "mlp", "--dataset", "digits", "--compute-slowdown", "1,1,2,4", "--lr", "0.01",
+         "--target-accuracy", str(TARGET), "--eval-every", "0.2", "--no-progress")
+
+
+class Job:
+    """One launched job: its process, its output folder, its ranks' pids."""
+
+    def __init__(self, out: Path, np_: int, *train_args, launcher_args=(), env=None):
+        self.out = Path(out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "ashl.run", "--status-dir", str(self.out / "status"),
+               "mpirun", "-np", str(np_), "--oversubscribe", "--bind-to", "none",
+               "--enable-recovery", *launcher_args, sys.executable, "-m", "ashl.train",
+               "--fault-tolerant", "--out", str(self.out), *TRAIN, *map(str, train_args)]
+        full_env = mpi_env()
+        full_env.update(ENV, **(env or {}))
+        self.log = open(self.out / "job.log", "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env=full_env, start_new_session=True)
+        self.np = np_
+        self.started = time.monotonic()
+
+    def rank_pids(self) -> dict[int, int]:
+        """rank -> pid of every rank process alive now (from its Open MPI environment)."""
+        out = {}
+        try:
+            children = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return out
+        for child in children:
+            try:
+                rank = child.environ().get("OMPI_COMM_WORLD_RANK")
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+            if rank is not None and "python" in child.name():
+                out[int(rank)] = child.pid
+        return out
+
+    def rows(self) -> list[dict]:
+        path = self.out / "metrics.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines()
+                if line.strip().endswith("}")]
+
+    def wait_for(self, what: str, ok: Callable[[list[dict]], bool], timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while not ok(self.rows()):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"never saw {what} (job ended: {self.proc.poll()}):\n"
+                                     + self.text()[-4000:])
+            time.sleep(0.05)
+
+    def kill(self, rank: int) -> float:
+        """kill -9 of `rank`; the time of the kill."""
+        pid = self.rank_pids()[rank]
+        os.kill(pid, signal.SIGKILL)
+        return time.monotonic()
+
+    def finish(self, timeout: float = 120) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            raise AssertionError("the job hung:\n" + self.text()[-4000:])
+        finally:
+            self.log.close()
+
+    def text(self) -> str:
+        if not self.log.closed:
+            self.log.flush()
+        return (self.out / "job.log").read_text(errors="replace")
+
+    def summary(self) -> dict:
+        return json.loads((self.out / "summary.json").read_text())
+
+    def rank_result(self, rank: int) -> Optional[dict]:
+        path = self.out / f"rank{rank}.json"
+        return json.loads(path.read_text()) if path.exists() else None
+
+
+def commits_at_least(n: int):
+    return lambda rows: any((r.get("commits") or 0) >= n for r in rows)
+
+
+def in_stage(stage: str):
+    return lambda rows: any(r.get("stage") == stage for r in rows)

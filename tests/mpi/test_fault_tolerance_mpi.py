@@ -1,0 +1,63 @@
+"""Fault-tolerant runs lose workers to a real kill -9 and go on (issue: survivors carry on,
+nothing merged is lost). Each job is ``python -m ashl.run mpirun --enable-recovery ...
+python -m ashl.train --fault-tolerant`` on 4 GPU-like uneven ranks (10 ms x 1,1,2,4)."""
+import time
+
+import pytest
+
+from _util import skip_reason
+from faults import TARGET, Job, commits_at_least, in_stage
+
+pytestmark = [pytest.mark.mpi, pytest.mark.slow,
+              pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or "")]
+
+LOST = 3    # ashl.torch.exit.LOST_RANKS_STATUS
+
+
+def check_nothing_merged_is_lost(job: Job, lost: list[int]) -> dict:
+    """The run reached its target without the lost ranks, named them, and the server merged
+    exactly what each worker was told it merged (the lost ones: what the server counted)."""
+    summary = job.summary()
+    assert summary["stop_reason"].startswith("target accuracy"), summary["stop_reason"]
+    assert summary["final_accuracy"] >= TARGET
+    assert [x["rank"] for x in summary["lost_ranks"]] == lost
+    server = summary["per_rank"][0]["counters"]["server"]
+    assert sum(server["merged_by"]) == server["merged"]
+    for r in range(job.np):
+        if r in lost:
+            assert job.rank_result(r) is None
+            record = next(x for x in summary["lost_ranks"] if x["rank"] == r)
+            assert record["merged"] == server["merged_by"][r] and record["commits"] >= 1
+        else:
+            counters = job.rank_result(r)["counters"]
+            assert counters["accepted"] == server["merged_by"][r], (r, counters, server)
+            assert counters["stop_reason"] == summary["stop_reason"]
+    text = job.text()
+    for r in lost:
+        assert f"worker rank {r} was lost" in text
+    return summary
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("stage", ["AHL", "SHL"])
+def test_a_killed_worker_is_dropped_and_the_others_reach_the_target(stage, tmp_path):
+    job = Job(tmp_path, 4, "--max-seconds", "90")
+    job.wait_for(f"training in {stage}", commits_at_least(20) if stage == "AHL" else in_stage("SHL"))
+    killed_at = job.kill(2)
+    rc = job.finish()
+    assert rc == LOST, job.text()[-3000:]
+    summary = check_nothing_merged_is_lost(job, [2])
+    assert summary["plan"]["version"] >= 2          # re-planned among the survivors
+    assert "rank(s) 2 left no exit status" in job.text()
+    assert time.monotonic() - killed_at < 120
+
+
+@pytest.mark.timeout(240)
+def test_two_workers_killed_one_after_the_other(tmp_path):
+    job = Job(tmp_path, 4, "--max-seconds", "120")
+    job.wait_for("the first commits", commits_at_least(20))
+    job.kill(3)
+    job.wait_for("more commits", commits_at_least(60))
+    job.kill(1)
+    assert job.finish(180) == LOST, job.text()[-3000:]
+    check_nothing_merged_is_lost(job, [3, 1])
