@@ -30,6 +30,9 @@ _REGISTRY = {
 }
 STRATEGIES = tuple(_REGISTRY)
 BASELINES = ("bsp", "localsgd", "ssp", "asp", "adsp", "diloco", "async-localsgd")
+# Those with save_checkpoint / load_checkpoint (bsp and ashl-sync keep base.Strategy's, which
+# raise): named here so a command line can refuse the others before torch or MPI start.
+CHECKPOINTING = tuple(s for s in STRATEGIES if s not in ("bsp", "ashl-sync"))
 
 
 def strategy_class(name: str):
