@@ -1,9 +1,10 @@
 """What the command lines share: ``python -m ashl.train`` and ``python -m ashl.bench e2e``.
 
 The options that describe one training job (model, data, emulated cluster, budget,
-hyper-parameters), their parsing and their checks. A check raises :class:`OptionError` with
-the one line to show (naming the option and its value); each CLI turns it into
-``PROG: error: ...`` and exit status 2, :class:`OneLineParser` for argparse's own errors.
+hyper-parameters; checkpoints, so far ``ashl.train``'s alone), their parsing and their
+checks. A check raises :class:`OptionError` with the one line to show (naming the option and
+its value); each CLI turns it into ``PROG: error: ...`` and exit status 2,
+:class:`OneLineParser` for argparse's own errors.
 
 Pure functions: no torch, no MPI.
 """
@@ -18,10 +19,12 @@ from typing import Iterator, Optional, Sequence
 
 from .emulation import DEFAULT_LINK, Link
 from .outer_spec import OuterSpecError, parse_outer
-from .strategies import FAULT_TOLERANT, STRATEGIES
+from .strategies import CHECKPOINTING, FAULT_TOLERANT, STRATEGIES
 
 DATASET_HELP = "digits (default), synthetic[:N], cifar10:DIR"
 FACTORS_EXAMPLE = "1,1,2,4"
+CHECKPOINT_FILE = "ckpt.pt"          # the run's file; each rank's part is ckpt.pt.rank<r>
+CHECKPOINT_EVERY = 30.0              # seconds, when --checkpoint-every is not given
 
 
 class OptionError(ValueError):
@@ -103,6 +106,53 @@ def check_run_options(args: argparse.Namespace,
     if every is not None and not (math.isfinite(every) and every >= 0):
         raise OptionError(f"--eval-every {args.eval_every:g}: must be a number of seconds >= 0")
     return check_dataset_spec(args.dataset, must_exist=dataset_must_exist)
+
+
+def add_checkpoint_options(parser: argparse.ArgumentParser) -> None:
+    """--checkpoint-dir, --checkpoint-every, --resume (checked by check_checkpoint_options)."""
+    p = parser
+    p.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                   help=f"save the run, atomically, every --checkpoint-every seconds and at the "
+                        f"end: DIR/{CHECKPOINT_FILE} (rank 0: global model, plan, stage, "
+                        f"counters) and DIR/{CHECKPOINT_FILE}.rank<r> (rank r's optimizer "
+                        "state); a run without --resume starts afresh and replaces them; not "
+                        f"with {', '.join(s for s in STRATEGIES if s not in CHECKPOINTING)}")
+    p.add_argument("--checkpoint-every", type=float, default=None, metavar="SECONDS",
+                   help=f"seconds between two checkpoints (default {CHECKPOINT_EVERY:g}); "
+                        "localsgd and diloco save at the first epoch end after that, every "
+                        "rank together")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run saved in --checkpoint-dir (same strategy, rank count "
+                        "and model); the budgets count from the resume")
+
+
+def checkpoint_path(directory: str) -> str:
+    """The run's checkpoint file in --checkpoint-dir."""
+    return os.path.join(directory, CHECKPOINT_FILE)
+
+
+def check_checkpoint_options(args: argparse.Namespace) -> None:
+    """add_checkpoint_options' options against each other, the strategy and the directory;
+    fills in --checkpoint-every's default. Raises OptionError."""
+    directory, every = args.checkpoint_dir, args.checkpoint_every
+    if every is not None and not (math.isfinite(every) and every > 0):
+        raise OptionError(f"--checkpoint-every {every:g}: must be a finite number of seconds > 0")
+    if directory is None:
+        if args.resume or every is not None:
+            raise OptionError(f"{'--resume' if args.resume else '--checkpoint-every'}: "
+                              "needs --checkpoint-dir DIR")
+        return
+    if args.strategy not in CHECKPOINTING:
+        raise OptionError(f"--strategy {args.strategy!r} does not checkpoint (no --checkpoint-dir "
+                          f"or --resume); strategies that do: {', '.join(CHECKPOINTING)}")
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise OptionError(f"--checkpoint-dir {directory!r}: exists and is not a directory")
+    if args.resume and not os.path.isfile(checkpoint_path(directory)):
+        why = "holds no checkpoint" if os.path.isdir(directory) else "does not exist"
+        raise OptionError(f"--resume: --checkpoint-dir {directory!r} {why} "
+                          f"(no {CHECKPOINT_FILE} to resume from)")
+    if every is None:
+        args.checkpoint_every = CHECKPOINT_EVERY
 
 
 # ------------------------------------------------------------------------------ values

@@ -3,9 +3,10 @@
 A fault-tolerant run is launched with ``mpirun --enable-recovery``, which keeps the survivors
 of a dead rank alive but then exits 0 whatever its ranks' statuses were. Every rank of such a
 run leaves its status in ``$ASHL_STATUS_DIR/rank<r>.json`` as it exits (ashl.torch.exit);
-this wrapper makes that directory, runs the launcher, and exits with the worst of: the
-launcher's own status, every status a rank wrote, and ``LOST_RANKS_STATUS`` (3) for each rank
-that wrote none (killed, or its host gone). It names each such rank. Example::
+this wrapper makes that directory, runs the launcher, and exits with: the status of a rank
+that failed (any but 0 and 3), else ``LOST_RANKS_STATUS`` (3) if a rank wrote none (killed,
+or its host gone) or the run went on without some rank, else the launcher's own. It names
+each such rank. Example::
 
     python -m ashl.run mpirun -np 4 --enable-recovery python -m ashl.train --fault-tolerant
 
@@ -71,11 +72,14 @@ def job_status(launcher_status: int, statuses: dict[int, dict]) -> tuple[int, li
     lost = sorted({x for r in statuses.values() for x in r.get("lost", [])})
     if lost:
         notes.append(f"the run lost rank(s) {', '.join(map(str, lost))} and went on without them")
-    for rank, record in sorted(statuses.items()):
-        if record.get("status"):
-            worst = max(worst, int(record["status"]))
-            if int(record["status"]) != LOST_RANKS_STATUS:
-                notes.append(f"rank {rank} exited with status {record['status']}")
+    failed = [(rank, int(r["status"])) for rank, r in sorted(statuses.items())
+              if int(r.get("status") or 0) not in (0, LOST_RANKS_STATUS)]
+    for rank, status in failed:
+        notes.append(f"rank {rank} exited with status {status}")
+    if failed:   # a failure outranks "went on without a rank"
+        return max(status for _, status in failed), notes
+    if any(int(r.get("status") or 0) == LOST_RANKS_STATUS for r in statuses.values()):
+        worst = max(worst, LOST_RANKS_STATUS)
     return worst, notes
 
 

@@ -14,12 +14,19 @@ line on stderr and writes to ``--out``:
                     commits (the run's total where the strategy knows it, else rank 0's)
     summary.json    strategy, ranks, time_to_target_s (null if missed), final_accuracy,
                     wall_s, utilization per rank (compute_s / wall_s), bytes_sent, commits,
-                    the plan, every rank's counters, the stop reason
+                    the plan, every rank's counters, the stop reason, the checkpoint
+                    (null without --checkpoint-dir) and whether the run resumed
     timeline.json   the Chrome trace of the run (ASHL_TIMELINE, unless set by the user)
     rank<r>.json    with --fault-tolerant: each rank's own counters (no collective may
                     involve a lost rank, so summary.json's per_rank holds rank 0 alone), and
                     one timeline.rank<r>.json per rank
     curves.png      accuracy and loss against wall time
+
+With ``--checkpoint-dir DIR`` the run is saved (the strategy's save_checkpoint, atomically) to
+DIR/ckpt.pt and DIR/ckpt.pt.rank<r> every ``--checkpoint-every`` seconds and at the end;
+``--resume`` continues it. A parameter-server strategy saves on each rank's own clock (its
+save is not collective); localsgd and diloco save at an epoch end, on every rank when rank 0's
+clock says so, so that every rank's part is of the same round.
 
 Options are checked before MPI starts where possible; a bad one ends the run with one line
 ``ashl.train: error: ...`` naming it, and exit status 2.
@@ -34,8 +41,9 @@ import sys
 import time
 from typing import Optional, Sequence
 
-from .cli import (OneLineParser, OptionError, add_run_options, check_factor_count,
-                  check_fault_tolerant, check_outer, check_run_options, check_strategy,
+from .cli import (OneLineParser, OptionError, add_checkpoint_options, add_run_options,
+                  check_checkpoint_options, check_factor_count, check_fault_tolerant,
+                  check_outer, check_run_options, check_strategy, checkpoint_path,
                   parse_factors, parse_link)
 from .emulation import Heterogeneity, step_time_from_env
 from .strategies import STRATEGIES
@@ -70,6 +78,7 @@ def build_parser(prog: str = PROG) -> OneLineParser:
     p.add_argument("--fault-timeout", type=float, default=5.0, metavar="S",
                    help="with --fault-tolerant: a worker silent this long (or 3 of its planned "
                         "rounds, whichever is longer) is dropped")
+    add_checkpoint_options(p)
     p.add_argument("--out", default=os.path.join("out", "train"), help="output directory")
     p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     return p
@@ -115,6 +124,7 @@ def check_options(args: argparse.Namespace) -> argparse.Namespace:
     if args.max_seconds is None and args.max_commits is None and args.target_accuracy is None:
         raise OptionError("no stop condition: give --max-seconds, --max-commits or "
                           "--target-accuracy")
+    check_checkpoint_options(args)
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise OptionError(f"--out {args.out!r}: exists and is not a directory")
     size = _env_int(_SIZE_VARS)
@@ -318,6 +328,49 @@ class MetricsLog:
         self.file.close()
 
 
+def _failure(action) -> Optional[str]:
+    """None if `action()` succeeds, else why it failed (one line)."""
+    try:
+        action()
+        return None
+    except (OSError, ValueError) as e:
+        return str(e)
+    except Exception as e:  # noqa: BLE001 - a checkpoint from elsewhere may fail any way
+        return f"{type(e).__name__}: {e}"
+
+
+class Checkpoints:
+    """--checkpoint-dir on one rank: a save every `every` seconds and one at the end, through
+    the strategy's save_checkpoint (which writes this rank's part; rank 0 also the run's)."""
+
+    def __init__(self, path: str, every: float, opt, comm):
+        from .strategies.parameter_server import ServerStrategy
+        self.path, self.every, self.opt, self.comm = path, every, opt, comm
+        # A parameter-server run has no point where the ranks agree, and needs none: the
+        # server holds the run. Model averaging must save one round on every rank: at an
+        # epoch end, where the epoch join has lined the ranks up, when rank 0 says so.
+        self.own_clock = isinstance(opt.strategy, ServerStrategy)
+        self.last = time.perf_counter()
+        self.saves = 0
+
+    def due(self) -> bool:
+        return time.perf_counter() - self.last >= self.every
+
+    def after_step(self) -> None:
+        if self.own_clock and self.opt.plan is not None and self.due():   # no run before the plan
+            self.save()
+
+    def after_epoch(self) -> None:
+        """Collective for model averaging: every rank ends the same epochs."""
+        if not self.own_clock and self.comm.bcast(self.due(), root=0):
+            self.save()
+
+    def save(self) -> None:
+        self.opt.save_checkpoint(self.path)
+        self.saves += 1
+        self.last = time.perf_counter()
+
+
 class Run:
     """One rank's training run: the model and its DistributedOptimizer; on rank 0 also the
     evaluations, the progress line and the outputs."""
@@ -338,6 +391,8 @@ class Run:
         self.evaluate = Evaluator(self.model, data.test)
         self.loss = SmoothedLoss()
         self.opt = None
+        self.checkpoints: Optional[Checkpoints] = None
+        self.first_epoch = 0
         self.metrics: Optional[MetricsLog] = None
         self.progress: Optional[Progress] = None
         self.start = time.perf_counter()
@@ -349,6 +404,8 @@ class Run:
         self.begin()
         self.train_epochs()
         self.opt.finish()
+        if self.checkpoints is not None:
+            self.checkpoints.save()       # the final model, on every rank
         wall = time.perf_counter() - self.start
         final_accuracy = self.evaluate() if self.rank == 0 else None
         if self.args.fault_tolerant:   # no collective may involve a lost rank: each its own
@@ -397,9 +454,43 @@ class Run:
                                              strategy=a.strategy, heterogeneity=self.hetero,
                                              **config)
         ashl.broadcast_parameters(self.model.state_dict(), root_rank=0)
+        if a.checkpoint_dir is not None:
+            self.checkpoints = Checkpoints(checkpoint_path(a.checkpoint_dir), a.checkpoint_every,
+                                           self.opt, self.comm)
+            if a.resume:
+                self.resume()
         if self.rank == 0:
             self.record(self.evaluate(), "start")   # the curves start from the initial model
             self.progress = Progress(not a.no_progress, a.strategy)
+
+    def resume(self) -> None:
+        """--resume, every rank before the first step: all ranks load the checkpoint, or all
+        refuse it with the first failing rank's reason (a rank left behind hangs the rest)."""
+        path = self.checkpoints.path
+        # Read first: a file missing on one rank's host stops every rank before any loads.
+        self.refuse(self.comm.allgather(_failure(lambda: self.read_checkpoint(path))))
+        errors = self.comm.allgather(_failure(lambda: self.opt.load_checkpoint(path)))
+        if any(errors) and not all(errors):
+            # Ranks that loaded cannot leave the run with those that did not: the job aborts.
+            raise RuntimeError(f"--resume: some ranks could not load {path}: "
+                               f"{next(e for e in errors if e)}")
+        self.refuse(errors)
+        self.first_epoch = self.opt.strategy.epoch + 1
+
+    def read_checkpoint(self, path: str) -> None:
+        """The files this rank will load, and the run's fit (strategy, ranks, model size)."""
+        from . import checkpoint
+        s = self.opt.strategy
+        checkpoint.check_run(checkpoint.load(path), path, s.name, s.size, s.numel)
+        checkpoint.load(checkpoint.rank_path(path, self.rank))
+
+    def refuse(self, errors: Sequence[Optional[str]]) -> None:
+        """If any rank failed (`errors`, one per rank): every rank leaves the run it has not
+        started (collective, so the job ends cleanly) and ends with the first reason."""
+        failed = [e for e in errors if e]
+        if failed:
+            self.opt.finish()
+            raise OptionError(f"--resume: {failed[0]}")
 
     def on_evaluate(self) -> float:
         """The strategy's callback (rank 0): test accuracy of the model it just received."""
@@ -424,7 +515,7 @@ class Run:
     def train_epochs(self) -> None:
         import torch.nn.functional as F
         from torch.utils.data import DataLoader
-        opt, epoch = self.opt, 0
+        opt, epoch = self.opt, self.first_epoch
         while not opt.finished:
             self.sampler.set_epoch(epoch)
             opt.set_epoch(epoch)
@@ -438,6 +529,10 @@ class Run:
                     self.watch(float(loss.detach()))
                 if opt.finished:
                     break
+                if self.checkpoints is not None:
+                    self.checkpoints.after_step()
+            if self.checkpoints is not None and not opt.finished:
+                self.checkpoints.after_epoch()
             epoch += 1
 
     def watch(self, loss: float) -> None:
@@ -462,6 +557,7 @@ class Run:
         """What every rank sends rank 0 for the summary."""
         link = self.hetero.link
         return {"rank": self.rank, "wall_s": wall, "counters": _jsonable(self.opt.counters()),
+                "checkpoints_saved": 0 if self.checkpoints is None else self.checkpoints.saves,
                 "compute_factor": self.hetero.compute_factor,
                 "link": None if link is None else [link.latency_s, link.bytes_per_s]}
 
@@ -484,6 +580,8 @@ class Run:
             print(f"{PROG}: could not draw the plot: {e}", file=sys.stderr)
         print_result(summary)
         print(f"  results in {out}/ (summary.json, metrics.jsonl, curves.png, timeline.json)")
+        if summary["checkpoint"] is not None:
+            print(f"  checkpoint in {summary['checkpoint']} (--resume continues it)")
 
 
 def build_summary(args, everyone: Sequence[dict], rows: Sequence[dict], wall: float,
@@ -491,6 +589,8 @@ def build_summary(args, everyone: Sequence[dict], rows: Sequence[dict], wall: fl
                   ranks: Optional[int] = None) -> dict:
     """summary.json: the job, the outcome, and every rank's counters (`everyone`)."""
     counters = [r["counters"] for r in everyone]
+    ckpt = (None if args.checkpoint_dir is None
+            else os.path.abspath(checkpoint_path(args.checkpoint_dir)))
     return {
         "strategy": args.strategy, "ranks": len(everyone) if ranks is None else ranks,
         "model": args.model,
@@ -513,6 +613,7 @@ def build_summary(args, everyone: Sequence[dict], rows: Sequence[dict], wall: fl
         # ranks a fault-tolerant run lost; in such a run per_rank holds rank 0 alone (the
         # others' counters would need a collective) and server.merged_by the rest
         "lost_ranks": counters[0].get("lost_ranks", []) if counters else [],
+        "checkpoint": ckpt, "resumed": bool(args.resume),
         "plan": None if plan is None else _jsonable(plan.to_dict()),
         "per_rank": list(everyone),
         "files": {"metrics": "metrics.jsonl", "timeline": os.environ.get("ASHL_TIMELINE"),
@@ -546,11 +647,12 @@ def load_data(args):
         raise OptionError(f"--dataset {args.dataset!r}: {e}") from None
 
 
-def make_out_dir(out: str) -> None:
+def make_dir(option: str, path: str) -> None:
     try:
-        os.makedirs(out, exist_ok=True)
+        os.makedirs(path, exist_ok=True)
     except OSError as e:
-        raise OptionError(f"--out {out!r}: cannot create the directory ({e.strerror})") from None
+        raise OptionError(f"{option} {path!r}: cannot create the directory "
+                          f"({e.strerror})") from None
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -563,7 +665,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         check_options(args)
         check_model(args)
         if env_rank == 0:
-            make_out_dir(args.out)
+            make_dir("--out", args.out)
+        if args.checkpoint_dir is not None:   # every rank writes its part there
+            make_dir("--checkpoint-dir", args.checkpoint_dir)
         data = load_data(args)
 
     from mpi4py import MPI
@@ -578,7 +682,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         os.makedirs(args.out, exist_ok=True)
     # Every rank agrees on the path: writing the trace is a gather.
     os.environ.setdefault("ASHL_TIMELINE", os.path.abspath(os.path.join(args.out, "timeline.json")))
-    return Run(args, data, rank, size, MPI.COMM_WORLD).execute()
+    with parser.checking():   # --resume's refusal, reached alike on every rank
+        return Run(args, data, rank, size, MPI.COMM_WORLD).execute()
 
 
 if __name__ == "__main__":

@@ -57,6 +57,9 @@ BAD = [
                                               "takes (lr, momentum)"]),
     (["--strategy", "bsp", "--outer-optimizer", "nesterov"], ["--outer-optimizer",
                                                               "strategy bsp"]),
+    (["--resume"], ["--resume", "--checkpoint-dir"]),
+    (["--checkpoint-dir", "unused-ckpt", "--checkpoint-every", "0"], ["--checkpoint-every 0",
+                                                                     "> 0"]),
 ]
 
 
@@ -111,8 +114,32 @@ def test_help_lists_the_options():
     assert proc.returncode == 0
     for opt in ("--strategy", "--model", "--dataset", "--compute-slowdown", "--link-slowdown",
                 "--link-base", "--target-accuracy", "--max-seconds", "--max-commits", "--seed",
-                "--batch-size", "--lr", "--out"):
+                "--batch-size", "--lr", "--out", "--checkpoint-dir", "--checkpoint-every",
+                "--resume"):
         assert opt in proc.stdout
+    assert "DIR/ckpt.pt" in proc.stdout and "DIR/ckpt.pt.rank<r>" in proc.stdout
+
+
+def test_resume_from_an_empty_directory_fails_before_anything_starts(tmp_path):
+    empty, out = tmp_path / "ckpt", tmp_path / "out"
+    empty.mkdir()
+    proc = run_cli("--checkpoint-dir", empty, "--resume", "--out", out)
+    assert proc.returncode == 2, proc.stderr
+    line, = proc.stderr.strip().splitlines()
+    assert f"--checkpoint-dir '{empty}' holds no checkpoint" in line and "ckpt.pt" in line
+    assert not out.exists()          # refused in the option checks, before any training
+
+
+@pytest.mark.parametrize("strategy", ["bsp", "ashl-sync"])
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_strategy_that_does_not_checkpoint_is_refused_up_front(tmp_path, strategy, resume):
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    proc = run_cli("--strategy", strategy, "--checkpoint-dir", ckpt, "--out", out,
+                   *(["--resume"] if resume else []))
+    assert proc.returncode == 2, proc.stderr
+    line, = proc.stderr.strip().splitlines()
+    assert f"--strategy '{strategy}' does not checkpoint" in line and "ashl" in line
+    assert not out.exists() and not ckpt.exists()
 
 
 # ---------------------------------------------------------------- helpers, in process
@@ -215,3 +242,65 @@ def test_three_ranks_reach_the_target_and_leave_every_output(tmp_path):
     assert pids == {0, 1, 2}
     assert any(e["name"] == "commit" for e in trace["traceEvents"])
     assert took < 60, f"the run took {took:.0f} s"
+
+
+def summary(out):
+    return json.loads((out / "summary.json").read_text())
+
+
+def output(proc):
+    return f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(_util.skip_reason() is not None, reason=_util.skip_reason() or "")
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy,slowdown", [("ashl", "1,2,3"), ("localsgd", "1,2")])
+def test_a_checkpointed_run_resumes_where_it_stopped(tmp_path, strategy, slowdown):
+    """ashl saves on each rank's clock, localsgd at epoch ends when rank 0 says so: either
+    way a short run leaves a checkpoint and a --resume run continues it to the target."""
+    ranks, ckpt = len(slowdown.split(",")), tmp_path / "ckpt"
+    job = ["--strategy", strategy, "--compute-slowdown", slowdown, "--checkpoint-dir", ckpt,
+           "--checkpoint-every", "0.05", "--no-progress"]
+    proc = mpirun_train(ranks, *job, "--max-commits", "12", "--out", tmp_path / "first")
+    assert proc.returncode == 0, output(proc)
+    first = summary(tmp_path / "first")
+    assert first["checkpoint"] == str(ckpt / "ckpt.pt") and first["resumed"] is False
+    assert all(r["checkpoints_saved"] >= 1 for r in first["per_rank"])
+    assert sorted(p.name for p in ckpt.iterdir()) == \
+        ["ckpt.pt"] + [f"ckpt.pt.rank{r}" for r in range(ranks)]     # no temporary left
+    assert "checkpoint in" in proc.stdout
+
+    proc = mpirun_train(ranks, *job, "--resume", "--target-accuracy", "0.9",
+                        "--max-seconds", "60", "--out", tmp_path / "resumed")
+    assert proc.returncode == 0, output(proc)
+    resumed = summary(tmp_path / "resumed")
+    assert resumed["resumed"] is True and resumed["checkpoint"] == first["checkpoint"]
+    assert resumed["final_accuracy"] >= 0.9 and "target accuracy" in resumed["stop_reason"]
+    for before, after in zip(first["per_rank"], resumed["per_rank"]):
+        for counter in ("commits", "local_steps"):   # every rank goes on from its own counts
+            assert after["counters"][counter] > before["counters"][counter], counter
+    assert resumed["commits"] > first["commits"]
+    metrics = (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in metrics]
+    # It starts from the saved model, with the saved plan: no profiling again.
+    assert rows[0]["by"] == "start" and rows[0]["accuracy"] == first["final_accuracy"]
+    assert all(r["stage"] != "PROFILE" for r in rows[1:])
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(_util.skip_reason() is not None, reason=_util.skip_reason() or "")
+@pytest.mark.timeout(120)
+def test_a_checkpoint_of_another_run_is_refused_on_every_rank(tmp_path):
+    from ashl import checkpoint
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    checkpoint.atomic_save({"format": checkpoint.FORMAT, "strategy": "ashl", "size": 3,
+                            "numel": 1}, str(ckpt / "ckpt.pt"))
+    proc = mpirun_train(2, "--checkpoint-dir", ckpt, "--resume", "--max-seconds", "60",
+                        "--no-progress", "--out", tmp_path / "out")
+    assert proc.returncode == 2, proc.stderr
+    lines = [l for l in proc.stderr.splitlines() if l.startswith("ashl.train: error")]
+    assert len(lines) == 1, proc.stderr      # every rank refuses, rank 0 says why
+    assert f"{ckpt / 'ckpt.pt'} is of a 3-rank run" in lines[0] and "2 ranks" in lines[0]
+    assert not (tmp_path / "out" / "summary.json").exists()

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from ashl import cli
 from ashl.emulation import DEFAULT_LINK, Link
-from ashl.strategies import STRATEGIES
+from ashl.strategies import CHECKPOINTING, STRATEGIES
 
 factors = st.floats(min_value=1.0, max_value=1e12, allow_nan=False, allow_infinity=False)
 below_one = st.one_of(st.floats(max_value=1.0, exclude_max=True, allow_nan=False),
@@ -175,3 +175,73 @@ def test_help_names_every_shared_option():
                    "--eval-every"):
         assert option in text
     assert text.count("DEFAULT-TEXT") == 2 and "; NOTE" in text
+
+
+# ---------------------------------------------------------------- checkpoints (ashl.train)
+def ckpt_args(*argv, strategy="ashl"):
+    p = cli.OneLineParser(prog="prog")
+    p.add_argument("--strategy", default=strategy)
+    cli.add_checkpoint_options(p)
+    return p.parse_args(list(map(str, argv)))
+
+
+def test_checkpoints_are_off_unless_a_directory_is_given():
+    args = ckpt_args()
+    cli.check_checkpoint_options(args)
+    assert (args.checkpoint_dir, args.checkpoint_every, args.resume) == (None, None, False)
+
+
+def test_a_checkpoint_directory_gets_the_default_interval(tmp_path):
+    args = ckpt_args("--checkpoint-dir", tmp_path / "new")     # created later, by the run
+    cli.check_checkpoint_options(args)
+    assert args.checkpoint_every == cli.CHECKPOINT_EVERY > 0
+    assert cli.checkpoint_path(str(tmp_path)) == str(tmp_path / cli.CHECKPOINT_FILE)
+
+
+@pytest.mark.parametrize("every", ["0", "-1", "nan", "inf"])
+def test_the_interval_must_be_positive_seconds(tmp_path, every):
+    with pytest.raises(cli.OptionError, match=rf"^--checkpoint-every {every}: .*> 0"):
+        cli.check_checkpoint_options(ckpt_args("--checkpoint-dir", tmp_path,
+                                               "--checkpoint-every", every))
+
+
+@pytest.mark.parametrize("argv,option", [(["--resume"], "--resume"),
+                                         (["--checkpoint-every", "5"], "--checkpoint-every")])
+def test_resume_and_interval_need_a_directory(argv, option):
+    with pytest.raises(cli.OptionError, match=f"^{option}: needs --checkpoint-dir"):
+        cli.check_checkpoint_options(ckpt_args(*argv))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_only_strategies_that_checkpoint_take_a_directory(tmp_path, strategy):
+    args = ckpt_args("--checkpoint-dir", tmp_path, strategy=strategy)
+    if strategy in CHECKPOINTING:
+        cli.check_checkpoint_options(args)
+        return
+    with pytest.raises(cli.OptionError, match=f"^--strategy '{strategy}' does not checkpoint"):
+        cli.check_checkpoint_options(args)
+
+
+def test_the_checkpointing_list_is_the_strategies_that_implement_it():
+    from ashl.strategies import strategy_class
+    from ashl.strategies.base import Strategy
+    assert set(CHECKPOINTING) == {
+        name for name in STRATEGIES
+        if strategy_class(name).save_checkpoint is not Strategy.save_checkpoint
+        and strategy_class(name).load_checkpoint is not Strategy.load_checkpoint}
+
+
+def test_the_directory_must_be_one(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(cli.OptionError, match=f"^--checkpoint-dir '{f}': exists and is not"):
+        cli.check_checkpoint_options(ckpt_args("--checkpoint-dir", f))
+
+
+def test_resume_needs_a_checkpoint_in_the_directory(tmp_path):
+    for directory, why in ((tmp_path, "holds no checkpoint"), (tmp_path / "no", "does not exist")):
+        with pytest.raises(cli.OptionError) as e:
+            cli.check_checkpoint_options(ckpt_args("--checkpoint-dir", directory, "--resume"))
+        assert str(e.value).startswith(f"--resume: --checkpoint-dir '{directory}' {why}")
+    (tmp_path / cli.CHECKPOINT_FILE).write_bytes(b"")   # its contents: the strategy's check
+    cli.check_checkpoint_options(ckpt_args("--checkpoint-dir", tmp_path, "--resume"))
