@@ -19,7 +19,7 @@ delivers the message.
 Payload layouts:
   DENSE_DELTA, REPLY  numel values of `dtype`
   SPARSE_DELTA        nnz int32 indices (ascending), then nnz values of `dtype`
-  PLAN                numel bytes of UTF-8 JSON (dtype UINT8), never pickled
+  PLAN, SUMMARY, JOIN numel bytes of UTF-8 JSON (dtype UINT8), never pickled
 A REPLY may also carry nothing (dtype NONE), e.g. the answer to a commit after DONE. Its
 local_steps field carries a time-based strategy's commit-rate target (adsp's c_target; 0:
 none), so the scheduler's decisions need no channel of their own.
@@ -105,6 +105,8 @@ class Kind(enum.IntEnum):
     REPLY = 4          # server -> rank: directive (+ the global model)
     PLAN = 7           # server -> rank: a new plan as JSON bytes
     SUMMARY = 8        # server -> rank, fault-tolerant end: the run's end (reason, lost ranks) as JSON
+                       # (and the answer to a JOIN: the slot the replacement takes)
+    JOIN = 9           # a replacement -> server: asks for a lost rank's slot (its profile as JSON)
 
 
 class DType(enum.IntEnum):
@@ -295,7 +297,7 @@ def _payload_shape(h: Header, kind: Kind, dtype: DType, model_numel: int | None)
                 raise ProtocolError("numel", f"{h.numel} elements cannot be addressed by int32 indices")
         elif h.nnz != 0:
             raise ProtocolError("nnz", f"must be 0 for {kind.name}, got {h.nnz}")
-    elif kind in (Kind.PLAN, Kind.SUMMARY):
+    elif kind in (Kind.PLAN, Kind.SUMMARY, Kind.JOIN):
         if dtype != DType.UINT8:
             raise ProtocolError("dtype", f"{kind.name} carries UINT8 JSON bytes, got {dtype.name}")
         if h.numel > MAX_PLAN_BYTES:
@@ -424,8 +426,8 @@ class Message(NamedTuple):
         return sparse_views(self.header, self.payload)
 
     def json(self):
-        """The object a PLAN or SUMMARY message carries."""
-        if self.header.kind not in (Kind.PLAN, Kind.SUMMARY):
+        """The object a PLAN, SUMMARY or JOIN message carries."""
+        if self.header.kind not in (Kind.PLAN, Kind.SUMMARY, Kind.JOIN):
             raise ValueError(f"{Kind(self.header.kind).name} carries no JSON")
         try:
             return json.loads(bytes(self.payload.numpy()).decode("utf-8"))

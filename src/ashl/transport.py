@@ -29,7 +29,7 @@ from typing import Callable, Optional, Union
 from . import protocol
 from .protocol import Header, Message, MessageBuffer
 
-__all__ = ["PeerLost", "ServerLost", "ServerEnd", "RankEnd", "MPIServerEnd", "MPIRankEnd",
+__all__ = ["PeerLost", "JoinRequest", "join_identity", "ServerLost", "ServerEnd", "RankEnd", "MPIServerEnd", "MPIRankEnd",
            "ZmqServerEnd", "ZmqRankEnd", "advertised_hosts", "pick_host", "open_ends"]
 
 
@@ -39,6 +39,19 @@ class PeerLost:
 
     rank: int
     why: str
+
+
+@dataclass(frozen=True)
+class JoinRequest:
+    """A replacement (not yet a rank) asks for a lost rank's slot; answer it at `peer`."""
+
+    peer: bytes
+    message: Message
+
+
+def join_identity() -> bytes:
+    """A replacement's identity until it has a slot: unique per process."""
+    return b"ashl-join-%d-%s" % (os.getpid(), os.urandom(4).hex().encode())
 
 
 class ServerLost(RuntimeError):
@@ -214,6 +227,12 @@ class ZmqServerEnd(ServerEnd):
         frame = self.sock.recv(copy=False)
         identity, rank = frame.bytes, _rank_of(frame.bytes)
         count = _recv_frames(self.sock, self.buffer)
+        if identity.startswith(b"ashl-join-") and count <= self.buffer.tensor.numel():
+            message = protocol.received(self.buffer, count, 0, world_size=self.world_size,
+                                        model_numel=self.model_numel, check_source=False)
+            if message.header.kind != protocol.Kind.JOIN:
+                raise protocol.ProtocolError("kind", "a replacement may only ask to JOIN")
+            return JoinRequest(identity, message)
         if rank is None or not 0 <= rank < self.world_size:
             raise protocol.ProtocolError("rank", f"a message from unknown peer {identity[:32]!r}")
         if count > self.buffer.tensor.numel():
@@ -223,10 +242,12 @@ class ZmqServerEnd(ServerEnd):
         return protocol.received(self.buffer, count, rank, world_size=self.world_size,
                                  model_numel=self.model_numel)
 
-    def send(self, dest: int, header: Header, payload=None) -> bool:
+    def send(self, dest: "int | bytes", header: Header, payload=None) -> bool:
+        """To rank `dest`, or to a replacement's identity (bytes)."""
         import zmq
+        peer = dest if isinstance(dest, bytes) else _identity(dest)
         try:
-            self.sock.send_multipart([_identity(dest)] + _parts(header, payload))
+            self.sock.send_multipart([peer] + _parts(header, payload))
         except zmq.ZMQError as exc:
             if exc.errno == zmq.EHOSTUNREACH:
                 return False
@@ -247,7 +268,8 @@ class ZmqRankEnd(RankEnd):
     DRAIN_S = 0.5     # after the server's disconnect: messages it sent before may still land
 
     def __init__(self, endpoint: str, rank: int, model_numel: int, *, world_size: int,
-                 server_rank: int, heartbeat_s: float = 0.5, timeout_s: float = 5.0):
+                 server_rank: int, heartbeat_s: float = 0.5, timeout_s: float = 5.0,
+                 identity: Optional[bytes] = None):
         import zmq
         self.endpoint, self.model_numel = endpoint, model_numel
         self.world_size, self.server_rank = world_size, server_rank
@@ -255,7 +277,7 @@ class ZmqRankEnd(RankEnd):
         self.context = zmq.Context(io_threads=1)
         self.sock = self.context.socket(zmq.DEALER)
         _heartbeats(self.sock, heartbeat_s, timeout_s)
-        self.sock.setsockopt(zmq.ROUTING_ID, _identity(rank))
+        self.sock.setsockopt(zmq.ROUTING_ID, identity or _identity(rank))
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         self.connected = False
         self.sock.connect(endpoint)

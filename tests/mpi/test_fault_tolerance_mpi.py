@@ -61,3 +61,27 @@ def test_two_workers_killed_one_after_the_other(tmp_path):
     job.kill(1)
     assert job.finish(180) == LOST, job.text()[-3000:]
     check_nothing_merged_is_lost(job, [3, 1])
+
+
+@pytest.mark.timeout(300)
+def test_the_server_killed_every_worker_stops_naming_it_and_the_checkpoint_resumes(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    job = Job(tmp_path / "run", 4, "--max-seconds", "90", "--checkpoint-dir", ckpt,
+              "--checkpoint-every", "0.5")
+    job.wait_for("a checkpoint mid-run",
+                 lambda rows: (ckpt / "ckpt.pt").exists() and commits_at_least(40)(rows))
+    job.kill(0)
+    rc = job.finish(timeout=30)      # every worker out within 30 s of the server's death
+    text = job.text()
+    assert rc == 1, text[-3000:]     # a failed run, not one that went on without a worker
+    for r in (1, 2, 3):
+        assert f"rank {r} of 4 ended with an uncaught ServerLost: lost the parameter server " \
+               "(rank 0" in text, text[-3000:]
+    assert "rank(s) 0 left no exit status" in text
+
+    resumed = Job(tmp_path / "resumed", 4, "--max-seconds", "90", "--checkpoint-dir", ckpt,
+                  "--resume")
+    assert resumed.finish() == 0, resumed.text()[-3000:]
+    summary = resumed.summary()
+    assert summary["resumed"] and summary["lost_ranks"] == []
+    assert summary["final_accuracy"] >= TARGET
