@@ -90,6 +90,23 @@ class ServerClient:
                      bytes_sent=header.nbytes, dropped=bool(h.flags & Flag.DROPPED),
                      commit_rate=h.local_steps)
 
+    def join(self, request: dict) -> tuple[dict, Optional[Reply]]:
+        """A replacement asks for a lost rank's slot (`request`: its compute time per step,
+        host, model size). The answer: {"rank", "size", "server_rank"} and the global model
+        and plan as a Reply, or {"error": why} and None."""
+        body = protocol.json_payload(request)
+        self.end.send(Header(kind=Kind.JOIN, rank=0, dtype=protocol.DType.UINT8,
+                             numel=body.size), body)
+        answer = self._receive(self.plan_buf, Kind.SUMMARY).json()
+        if "error" in answer:
+            return answer, None
+        model = self._receive(self.model_buf, Kind.REPLY)
+        h = model.header
+        plan = Plan.from_dict(self._receive(self.plan_buf, Kind.PLAN).json())
+        return answer, Reply(accepted=False, stop=bool(h.flags & Flag.STOP), stage=h.stage,
+                             version=h.base_version, model=model.dense(), plan=plan,
+                             bytes_sent=protocol.HEADER_SIZE + body.size)
+
     def final(self) -> tuple[torch.Tensor, dict]:
         """Fault-tolerant end: the run's final global model (a view of the client's buffer)
         and its summary (why it ended, which ranks were lost), sent to every rank that left."""

@@ -251,6 +251,18 @@ class Coordinator:
         self._sync_stage()
         self._log("plan", reason)
 
+    def rejoin(self, rank: int, compute_s: float, reason: str) -> None:
+        """A replacement took lost `rank`'s slot: re-plan with it, from its measured compute
+        time and the slot's link (its commit reports correct that, as drift)."""
+        if rank in self.live or self.plan is None:
+            raise ValueError(f"rank {rank} is not a lost rank of a planned run")
+        self.live.add(rank)
+        profiles = list(self.plan.profiles)
+        profiles[rank] = profiles[rank].with_compute(compute_s)
+        self.plan = self._plan_live(profiles, self.plan.version + 1, reason)
+        self._sync_stage()
+        self._log("plan", reason)
+
     def _plan_live(self, profiles: Sequence[RankProfile], version: int, reason: str) -> Plan:
         live = sorted(self.live)
         sub = self.plan_for([profiles[r] for r in live])

@@ -43,7 +43,7 @@ from .planner import Plan
 from .protocol import Flag, Header, Kind
 from .staleness import Staleness, parse_staleness
 from .stages import Stage
-from .transport import PeerLost, ServerEnd
+from .transport import JoinRequest, PeerLost, ServerEnd
 
 log = logging.getLogger("ashl.server")
 
@@ -84,9 +84,13 @@ class LostRank:
     merged: int
 
 
+class JoinRefused(ValueError):
+    """A replacement cannot have a slot (none is free, the run is over, another model)."""
+
+
 @dataclass
 class OutgoingReply:
-    dest: int
+    dest: "int | bytes"               # a rank, or a replacement's identity before it has one
     header: Header
     payload: Optional[torch.Tensor]   # the global model (or its downlink copy), or None
     plan: Optional[Plan] = None       # sent right after the model when PLAN_FOLLOWS
@@ -254,6 +258,32 @@ class ParameterServer:
                 out.append(self._reply(rank, header, bool(header.flags & Flag.ACCEPTED)))
         return out
 
+    def admit(self, request: dict) -> int:
+        """A replacement takes the lowest lost slot: it is live from now on, the coordinator
+        re-plans with it (its measured compute time; the slot's link until its commits report
+        one), and SHL's bound counts it from the slowest rank's commits. JoinRefused says why
+        it cannot."""
+        free = sorted(self.lost_ranks - self.live)
+        if self.stopped:
+            raise JoinRefused("the run is over")
+        if not free:
+            raise JoinRefused("no rank has been lost: a replacement takes a lost rank's slot")
+        if request.get("numel") != self.model.numel():
+            raise JoinRefused(f"its model has {request.get('numel')} elements, the run's "
+                              f"{self.model.numel()}")
+        compute_s = request.get("compute_s")
+        if not (isinstance(compute_s, (int, float)) and math.isfinite(compute_s) and compute_s > 0):
+            raise JoinRefused(f"its compute time per step {compute_s!r} is not a number > 0")
+        slot = free[0]
+        self.shl_commits[slot] = self.slowest_shl()
+        self.live.add(slot)
+        self.left.discard(slot)
+        self.last_heard[slot] = self.clock()
+        log.warning("a replacement on %s takes rank %d's slot; %d ranks live",
+                    request.get("host", "?"), slot, len(self.live))
+        self.coordinator.rejoin(slot, float(compute_s), f"a replacement took rank {slot}'s slot")
+        return slot
+
     def _leave(self, rank: int, why: str) -> None:
         if rank in self.live:
             self.live.discard(rank)
@@ -280,7 +310,7 @@ class ParameterServer:
             flags |= Flag.ACCEPTED
         if directive.stop or rank not in self.live:
             flags |= Flag.STOP
-        if rank in self.lost_ranks:
+        if rank in self.lost_ranks and rank not in self.live:
             flags |= Flag.DROPPED
         if directive.plan is not None:
             flags |= Flag.PLAN_FOLLOWS
@@ -347,8 +377,11 @@ class ServerThread:
             log.exception("the parameter server failed")
 
     def _serve(self, event) -> None:
-        """One commit, or one lost peer, from the transport."""
+        """One commit, one lost peer, or one replacement asking to join, from the transport."""
         if event is None:
+            return
+        if isinstance(event, JoinRequest):
+            self._admit(event)
             return
         if isinstance(event, PeerLost):
             with self.lock:
@@ -363,6 +396,27 @@ class ServerThread:
                               event.header.commit, exc)
                     replies = [self.server._reply(event.header.rank, event.header, False)]
         self._send_all(replies)
+
+    def _admit(self, request: JoinRequest) -> None:
+        """Answer a replacement: its slot and the run's size (SUMMARY), then the global model
+        and the plan, as to a commit; or why not."""
+        try:
+            with self.lock:
+                slot = self.server.admit(request.message.json())
+                reply = self.server._reply(slot, request.message.header, False)
+        except (JoinRefused, protocol.ProtocolError) as exc:
+            log.warning("refused a replacement: %s", exc)
+            self._send_json(request.peer, {"error": str(exc)})
+            return
+        self._send_json(request.peer, {"rank": slot, "size": self.server.n_ranks,
+                                       "server_rank": self.server.rank})
+        self._send(dataclasses.replace(reply, dest=request.peer))
+
+    def _send_json(self, dest: "int | bytes", obj: dict) -> bool:
+        body = protocol.json_payload(obj)
+        return self.end.send(dest, Header(kind=Kind.SUMMARY, rank=self.server.rank,
+                                          stage=self.server.coordinator.stage,
+                                          dtype=protocol.DType.UINT8, numel=body.size), body)
 
     def _send_all(self, replies: list[OutgoingReply]) -> None:
         for r in replies:
@@ -387,15 +441,12 @@ class ServerThread:
     def send_final(self, model: torch.Tensor, summary: dict) -> list[int]:
         """After join(), fault-tolerant runs: the final model and the run's summary to every
         rank that left the run normally (not this one); the ranks it reached."""
-        body = protocol.json_payload(summary)
         reached = []
         for rank in sorted(self.server.left - {self.server.rank}):
             reply = Header(kind=Kind.REPLY, rank=self.server.rank, stage=Stage.DONE,
                            base_version=self.server.version, flags=Flag.STOP,
                            dtype=protocol.DType.FLOAT32, numel=model.numel())
-            end = Header(kind=Kind.SUMMARY, rank=self.server.rank, stage=Stage.DONE,
-                         dtype=protocol.DType.UINT8, numel=body.size)
-            if self.end.send(rank, reply, model) and self.end.send(rank, end, body):
+            if self.end.send(rank, reply, model) and self._send_json(rank, summary):
                 reached.append(rank)
         return reached
 

@@ -127,8 +127,14 @@ def check_options(args: argparse.Namespace) -> argparse.Namespace:
     check_checkpoint_options(args)
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise OptionError(f"--out {args.out!r}: exists and is not a directory")
+    if os.environ.get("ASHL_JOIN") and not args.fault_tolerant:
+        raise OptionError("ASHL_JOIN is set: a replacement joins a fault-tolerant run; give "
+                          "--fault-tolerant (and the run's other options)")
+    if os.environ.get("ASHL_JOIN") and args.resume:
+        raise OptionError("--resume: a replacement (ASHL_JOIN) takes the run's global model "
+                          "from its server, not from a checkpoint")
     size = _env_int(_SIZE_VARS)
-    if size is not None:
+    if size is not None and not os.environ.get("ASHL_JOIN"):
         check_rank_count(args, size)
     return args
 
@@ -375,12 +381,13 @@ class Run:
     """One rank's training run: the model and its DistributedOptimizer; on rank 0 also the
     evaluations, the progress line and the outputs."""
 
-    def __init__(self, args, data, rank: int, size: int, comm):
+    def __init__(self, args, data, rank: int, size: int, comm, lead: bool = True):
         import torch
 
         import ashl.torch as ashl
         from .models import build_model
         self.args, self.data, self.rank, self.size, self.comm = args, data, rank, size, comm
+        self.lead = lead and rank == 0   # evaluates, writes the outputs (not a replacement)
         self.metrics_path = os.path.join(args.out, "metrics.jsonl")
         torch.manual_seed(args.seed)
         self.model = build_model(args.model, data.input_shape, data.classes)
@@ -407,14 +414,14 @@ class Run:
         if self.checkpoints is not None:
             self.checkpoints.save()       # the final model, on every rank
         wall = time.perf_counter() - self.start
-        final_accuracy = self.evaluate() if self.rank == 0 else None
+        final_accuracy = self.evaluate() if self.lead else None
         if self.args.fault_tolerant:   # no collective may involve a lost rank: each its own
             everyone = [self.rank_result(wall)]
             os.makedirs(self.args.out, exist_ok=True)
-            write_json(os.path.join(self.args.out, f"rank{self.rank}.json"), everyone[0])
+            write_json(os.path.join(self.args.out, f"rank{everyone[0]['rank']}.json"), everyone[0])
         else:
             everyone = self.comm.gather(self.rank_result(wall), root=0)
-        if self.rank == 0:
+        if self.lead:
             self.report(everyone, wall, final_accuracy)
         return self.exit_status()
 
@@ -422,7 +429,7 @@ class Run:
         """0, or LOST_RANKS_STATUS when a fault-tolerant run went on without some rank."""
         from .torch.exit import LOST_RANKS_STATUS
         lost = self.opt.strategy.lost_ranks
-        for x in lost if self.rank == 0 else ():
+        for x in lost if self.lead else ():
             print(f"{PROG}: worker rank {x['rank']} was lost at "
                   f"{x['at_s']:.1f} s ({x['why']}) after {x['commits']} commits, "
                   f"{x['merged']} merged; the run went on without it", file=sys.stderr)
@@ -442,13 +449,13 @@ class Run:
             config["outer_optimizer"] = a.outer_optimizer
         if a.fault_tolerant:
             config.update(fault_tolerant=True, fault_timeout_s=a.fault_timeout)
-        if self.rank == 0:
+        if self.lead:
             config["evaluate"] = self.on_evaluate
         # Ranks finish importing and loading at different times (a loaded host skews them by
         # seconds): line them up, so the first collective does not charge that to the strategy.
         self.comm.Barrier()
         self.start = time.perf_counter()      # the run's clock: profiling included
-        if self.rank == 0:
+        if self.lead:
             self.metrics = MetricsLog(self.metrics_path, self.start)
         self.opt = ashl.DistributedOptimizer(self.base_opt, model=self.model, sampler=self.sampler,
                                              strategy=a.strategy, heterogeneity=self.hetero,
@@ -459,9 +466,19 @@ class Run:
                                            self.opt, self.comm)
             if a.resume:
                 self.resume()
-        if self.rank == 0:
+        if self.lead:
             self.record(self.evaluate(), "start")   # the curves start from the initial model
             self.progress = Progress(not a.no_progress, a.strategy)
+            self.announce_join_address()
+
+    def announce_join_address(self) -> None:
+        """A fault-tolerant run says where a replacement joins (also in --out/join_address)."""
+        address = getattr(self.opt.strategy, "join_address", None)
+        if address:
+            print(f"{PROG}: fault-tolerant run; a replacement joins with ASHL_JOIN={address}",
+                  file=sys.stderr, flush=True)
+            with open(os.path.join(self.args.out, "join_address"), "w") as f:
+                f.write(address + "\n")
 
     def resume(self) -> None:
         """--resume, every rank before the first step: all ranks load the checkpoint, or all
@@ -525,7 +542,7 @@ class Run:
                 loss = F.cross_entropy(self.model(x), y)
                 loss.backward()
                 opt.step(loss=loss)
-                if self.rank == 0:
+                if self.lead:
                     self.watch(float(loss.detach()))
                 if opt.finished:
                     break
@@ -556,7 +573,7 @@ class Run:
     def rank_result(self, wall: float) -> dict:
         """What every rank sends rank 0 for the summary."""
         link = self.hetero.link
-        return {"rank": self.rank, "wall_s": wall, "counters": _jsonable(self.opt.counters()),
+        return {"rank": self.opt.strategy.rank, "wall_s": wall, "counters": _jsonable(self.opt.counters()),
                 "checkpoints_saved": 0 if self.checkpoints is None else self.checkpoints.saves,
                 "compute_factor": self.hetero.compute_factor,
                 "link": None if link is None else [link.latency_s, link.bytes_per_s]}
@@ -676,14 +693,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     rank, size = hvd.rank(), hvd.size()
     if rank != 0:   # every rank reaches the same verdict; one prints it
         _quiet(parser)
+    joining = bool(os.environ.get("ASHL_JOIN"))   # a replacement: alone, its rank comes later
     with parser.checking():
-        check_rank_count(args, size)
+        if not joining:
+            check_rank_count(args, size)
     if rank == 0:
         os.makedirs(args.out, exist_ok=True)
     # Every rank agrees on the path: writing the trace is a gather.
     os.environ.setdefault("ASHL_TIMELINE", os.path.abspath(os.path.join(args.out, "timeline.json")))
     with parser.checking():   # --resume's refusal, reached alike on every rank
-        return Run(args, data, rank, size, MPI.COMM_WORLD).execute()
+        return Run(args, data, rank, size, MPI.COMM_WORLD, lead=not joining).execute()
 
 
 if __name__ == "__main__":

@@ -357,10 +357,16 @@ def pick_host(server_hosts: list[str]) -> str:
 
 def open_ends(comm, server_rank: int, model_numel: int, *, fault_tolerant: bool,
               timeout_s: float = 5.0, heartbeat_s: float = 0.5, poll_s: float = 2e-4,
-              server_error: Callable[[], Optional[BaseException]] = lambda: None):
+              server_error: Callable[[], Optional[BaseException]] = lambda: None,
+              join: Optional[str] = None):
     """(server end on `server_rank` else None, this rank's end), over `comm` (a duplicate
     of the job's communicator). Collective when fault-tolerant: the server rank binds its
-    ROUTER and broadcasts where it listens; every rank connects to it."""
+    ROUTER and broadcasts where it listens; every rank connects to it. A replacement
+    (`join`: the run's endpoint, ASHL_JOIN) connects there alone, under a join identity."""
+    if join is not None:
+        return None, ZmqRankEnd(join, 0, model_numel, world_size=2**31 - 1, server_rank=0,
+                                heartbeat_s=heartbeat_s, timeout_s=timeout_s,
+                                identity=join_identity())
     rank, size = comm.Get_rank(), comm.Get_size()
     if not fault_tolerant:
         server = MPIServerEnd(comm, model_numel, poll_s=poll_s) if rank == server_rank else None

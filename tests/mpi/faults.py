@@ -58,6 +58,25 @@ class Job:
                 out[int(rank)] = child.pid
         return out
 
+    def replacement(self, *train_args) -> subprocess.Popen:
+        """A replacement for a lost rank: the same job's command, started alone (no launcher)
+        with ASHL_JOIN set to the address the run announced."""
+        address = (self.out / "join_address").read_text().strip()
+        env = mpi_env()
+        env.update(ENV, ASHL_JOIN=address)
+        self.replacement_log = open(self.out / "replacement.log", "w")
+        return subprocess.Popen([sys.executable, "-m", "ashl.train", "--fault-tolerant", "--out",
+                                 str(self.out), *TRAIN, *map(str, train_args)],
+                                stdout=self.replacement_log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+
+    def wait_for_text(self, what: str, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while what not in self.text():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"never saw {what!r}:\n" + self.text()[-4000:])
+            time.sleep(0.05)
+
     def rows(self) -> list[dict]:
         path = self.out / "metrics.jsonl"
         if not path.exists():

@@ -85,3 +85,24 @@ def test_the_server_killed_every_worker_stops_naming_it_and_the_checkpoint_resum
     summary = resumed.summary()
     assert summary["resumed"] and summary["lost_ranks"] == []
     assert summary["final_accuracy"] >= TARGET
+
+
+@pytest.mark.timeout(300)
+def test_a_replacement_joins_mid_run_takes_the_lost_slot_and_commits(tmp_path):
+    slow = ("--max-seconds", "150", "--lr", "0.004")   # time for the replacement to start
+    job = Job(tmp_path, 4, *slow)
+    job.wait_for("the first commits", commits_at_least(20))
+    job.kill(2)
+    job.wait_for_text("rank 2 lost at")
+    replacement = job.replacement(*slow)
+    assert job.finish(200) == LOST, job.text()[-3000:]
+    assert replacement.wait(60) == LOST, (tmp_path / "replacement.log").read_text()[-3000:]
+    summary = job.summary()
+    assert [x["rank"] for x in summary["lost_ranks"]] == [2]
+    server = summary["per_rank"][0]["counters"]["server"]
+    mine = job.rank_result(2)["counters"]          # written by the replacement
+    assert mine["replaced_rank"] == 2 and mine["accepted"] >= 2
+    # the server merged its commits as rank 2's, after what the lost rank had merged
+    assert server["merged_by"][2] == summary["lost_ranks"][0]["merged"] + mine["accepted"]
+    assert "this replacement took rank 2's slot of 4" in (tmp_path / "replacement.log").read_text()
+    assert summary["final_accuracy"] >= TARGET

@@ -16,6 +16,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
+import statistics
 import time
 from typing import Optional
 
@@ -30,12 +32,14 @@ from ..outer_spec import parse_outer, resolve_outer
 from ..planner import Plan, PlannerConfig, make_plan
 from ..server import ParameterServer, ServerThread
 from ..stages import Stage, StageConfig
-from ..transport import open_ends
+from ..transport import ZmqRankEnd, advertised_hosts, open_ends
 from .base import Strategy
 from .model_state import verify_same_model
 from .runtime import world_comm
 
 log = logging.getLogger("ashl")
+
+JOIN_ENV = "ASHL_JOIN"    # tcp://host:port of a fault-tolerant run's server: join it
 
 
 def check_fault_tolerance(fault_tolerant, timeout_s) -> bool:
@@ -64,9 +68,13 @@ class ServerStrategy(Strategy):
                  evaluate=None, eval_every_s: float = 2.0, poll_s: float = 2e-4,
                  heterogeneity=None, profile_steps: int = 10, fault_tolerant: bool = False,
                  fault_timeout_s: float = 5.0):
-        world = world_comm(comm)
+        # A replacement for a lost rank (ASHL_JOIN=tcp://host:port) starts alone and takes
+        # the slot, size and server rank the run's server gives it (_join).
+        self.join = os.environ.get(JOIN_ENV) or None
+        world = world_comm(comm, alone=self.join is not None)
         super().__init__(model, params, comm=world, sampler=sampler, heterogeneity=heterogeneity,
-                         evaluate=evaluate, eval_every_s=eval_every_s, control_rank=server_rank,
+                         evaluate=evaluate, eval_every_s=eval_every_s,
+                         control_rank=0 if self.join else server_rank,
                          stage_config=stage_config, profile_steps=profile_steps)
         verify_same_model(world, self.names, self.tensors)
         self.server_rank = server_rank
@@ -77,7 +85,8 @@ class ServerStrategy(Strategy):
                              "buffers: what top-k does not send is kept for the next commit "
                              "(error feedback) in fp32; this model has "
                              f"{sorted({str(t.dtype) for t in self.tensors})}")
-        self.fault_tolerant = check_fault_tolerance(fault_tolerant, fault_timeout_s)
+        self.fault_tolerant = check_fault_tolerance(fault_tolerant or self.join is not None,
+                                                    fault_timeout_s)
         self.fault_timeout_s = float(fault_timeout_s)
         self.mc = MPICoordinator(world, root=server_rank, planner_config=planner_config,
                                  stage_config=stage_config, drift_config=drift_config)
@@ -87,7 +96,7 @@ class ServerStrategy(Strategy):
         self.server_end, end = open_ends(self.wire, server_rank, self.numel,
                                          fault_tolerant=self.fault_tolerant,
                                          timeout_s=self.fault_timeout_s, poll_s=poll_s,
-                                         server_error=self._server_error)
+                                         server_error=self._server_error, join=self.join)
         self.client = ServerClient(end, self.rank, self.numel, heterogeneity=self.hetero)
         self.run_summary: Optional[dict] = None   # fault-tolerant: the server's word on the end
         self.dropped = False                 # the server dropped this rank as lost
@@ -108,7 +117,14 @@ class ServerStrategy(Strategy):
     # ------------------------------------------------------------------------ reading
     @property
     def is_server(self) -> bool:
-        return self.rank == self.server_rank
+        return self.rank == self.server_rank and self.join is None
+
+    @property
+    def join_address(self) -> Optional[str]:
+        """Server rank of a fault-tolerant run: what a replacement sets ASHL_JOIN to."""
+        if not (self.is_server and self.fault_tolerant):
+            return None
+        return f"tcp://{advertised_hosts()[0]}:{self.server_end.port}"
 
     @property
     def lost_ranks(self) -> list[dict]:
@@ -162,6 +178,40 @@ class ServerStrategy(Strategy):
         self.anchors = [t.detach().clone() for t in self.tensors]
         if self._resume is not None:
             self._start_from_checkpoint()
+
+    def _plan(self) -> None:
+        if self.join is None:
+            super()._plan()
+            return
+        self.planned = True
+        self._join()
+
+    def _join(self) -> None:
+        """A replacement, at the end of its timed first steps: ask the run's server for a lost
+        rank's slot; take that rank, the run's size, the global model, the plan and stage.
+        Its own first steps are discarded (they trained another model)."""
+        steps = self.profiler.samples["compute"][1:] or self.profiler.samples["compute"]
+        info, reply = self.client.join({"compute_s": statistics.median(steps) if steps else 1e-3,
+                                        "host": self.host, "numel": self.numel,
+                                        "strategy": self.name})
+        if reply is None:
+            raise RuntimeError(f"{JOIN_ENV}={self.join}: the run's server refused this "
+                               f"replacement: {info['error']}")
+        self.rank, self.size = int(info["rank"]), int(info["size"])
+        self.server_rank = self.control_rank = int(info["server_rank"])
+        self.timeline.rank = self.rank
+        self.client.end.close()
+        self.client.end = ZmqRankEnd(self.join, self.rank, self.numel, world_size=self.size,
+                                     server_rank=self.server_rank, timeout_s=self.fault_timeout_s)
+        self.client.rank = self.rank
+        kernels.unpack_assign(self.tensors, self.anchors, reply.model)
+        self.version, self.stage = reply.version, reply.stage
+        self.mc.plan = reply.plan
+        if hasattr(self.sampler, "rebind"):
+            self.sampler.rebind(self.rank, self.size)
+        self.adopt_plan(reply.plan)
+        log.warning("%s: this replacement took rank %d's slot of %d (global version %d)",
+                    self.name, self.rank, self.size, self.version)
 
     def _start_server(self, model: torch.Tensor) -> None:
         # delayed-nesterov's n defaults to one round: one commit of every rank
@@ -225,7 +275,7 @@ class ServerStrategy(Strategy):
         """Server rank: the evaluation callback on the model just received; a target met
         stops the run (the server thread answers the ranks it holds back) and that model,
         not one with the commits merged while it was evaluated, is the final one."""
-        if self.finished:
+        if self.finished or not self.is_server:
             return
         accuracy = self.evaluations.maybe()
         if accuracy is None:
@@ -361,6 +411,8 @@ class ServerStrategy(Strategy):
         c = super().counters()
         c["version"] = self.version
         c["accepted"] = self.accepted
+        if self.join is not None:
+            c["replaced_rank"] = self.rank if self.planned else None
         if self.server is not None:
             with self.mc.lock:     # the server thread appends to its stats under the lock
                 c["server"] = self.server.server.stats.to_dict()

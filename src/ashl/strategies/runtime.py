@@ -19,11 +19,12 @@ def mpi_world():
     return MPI
 
 
-def world_comm(comm=None):
-    """The communicator a strategy runs on: COMM_WORLD, or the one given, of a checked MPI
-    launch (a test's in-process fake is taken as it is)."""
+def world_comm(comm=None, alone: bool = False):
+    """The communicator a strategy runs on: COMM_WORLD (COMM_SELF when `alone`: a replacement
+    joins a run it was not launched with), or the one given, of a checked MPI launch (a test's
+    in-process fake is taken as it is)."""
     if comm is None:
-        return mpi_world().COMM_WORLD
+        return mpi_world().COMM_SELF if alone else mpi_world().COMM_WORLD
     if type(comm).__module__.startswith("mpi4py"):
         mpi_world()
     return comm

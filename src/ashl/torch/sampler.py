@@ -141,6 +141,18 @@ class HeterogeneousSampler(Sampler[int]):
             shares = [Fraction(1, self.num_replicas)] * self.num_replicas
         self._schedule.append((0, shares_to_counts(shares, n, self.num_replicas, self.drop_last)))
 
+    def rebind(self, rank: int, num_replicas: int) -> None:
+        """Become rank `rank` of `num_replicas` (a replacement that took a lost rank's slot);
+        equal shares until set_shares, from the next epoch boundary (a pass already running
+        keeps its indices)."""
+        if not (isinstance(num_replicas, numbers.Integral) and num_replicas >= 1
+                and isinstance(rank, numbers.Integral) and 0 <= rank < num_replicas):
+            raise ValueError(f"rank {rank!r} of {num_replicas!r} replicas is not a rank")
+        self.num_replicas, self.rank = int(num_replicas), int(rank)
+        equal = shares_to_counts([Fraction(1, self.num_replicas)] * self.num_replicas, self.n,
+                                 self.num_replicas, self.drop_last)
+        self._schedule, self._pending = [(0, equal)], None
+
     # --- plan ------------------------------------------------------------------
 
     def set_epoch(self, epoch: int) -> None:
