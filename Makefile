@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 
-.PHONY: all bootstrap build test demo bench bench-kernels bench-e2e bench-e2e-netns bench-outer bench-script clean distclean
+.PHONY: all bootstrap build test demo bench bench-kernels bench-e2e bench-e2e-netns bench-outer bench-script bench-transport clean distclean
 
 all: build
 
@@ -41,12 +41,18 @@ demo: build
 	$(PY) -m ashl.bench e2e --homogeneous --strategies ashl,bsp --ranks $(DEMO_RANKS) \
 	    --json $(OUT)/demo-homogeneous/e2e.json
 
-bench: bench-kernels bench-e2e bench-script bench-outer
+bench: bench-kernels bench-e2e bench-script bench-outer bench-transport
 
 bench-kernels: build
 	@mkdir -p $(OUT)
 	$(PY) -m ashl.bench kernels --repeat 25 --json $(OUT)/kernels.json
 	$(PY) -m ashl.bench kernels --repeat 25 --threads 1 --json $(OUT)/kernels-1thread.json
+
+# The commit round trip (a dense delta to the server, the model back) from 1 KiB to 64 MiB,
+# MPI and ZeroMQ interleaved, 2 ranks on this host, 30 round trips per size and transport.
+bench-transport: build
+	@mkdir -p $(OUT)
+	$(PY) -m ashl.bench transport --json $(OUT)/transport.json
 
 # A Horovod script against its three-line ashl conversion, compute slowdowns 1,2,4 and
 # 1,1,1, GPU-like 20 ms steps, 3 repeats.

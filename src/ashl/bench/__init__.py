@@ -14,4 +14,6 @@ SUBCOMMANDS = {
             "every strategy on the same emulated heterogeneous job: time to target, utilisation"),
     "script": ("ashl.bench.script",
                "a Horovod script against its three-line ashl conversion: accuracy, wall time"),
+    "transport": ("ashl.bench.transport",
+                  "the commit round trip against message size, over MPI and ZeroMQ side by side"),
 }
