@@ -15,8 +15,9 @@ Both carry exactly the messages of protocol.py (one 128-byte header, then the pa
   traffic towards a dead rank can deadlock Open MPI's TCP transport; ZeroMQ's cannot
   (docs/LAUNCHING.md has the measurements).
 
-Both ends copy a payload once into the transport (ZeroMQ) or not at all (MPI), so a caller
-may reuse its buffer as soon as ``send`` returns.
+Neither end copies a payload to send it (ZeroMQ sends it in frames of at most 8 MiB
+straight from the caller's buffer), and both return from ``send`` once the buffer may be
+changed again; a received message lands in the caller's preallocated MessageBuffer.
 """
 from __future__ import annotations
 
@@ -158,31 +159,52 @@ def _heartbeats(sock, heartbeat_s: float, timeout_s: float) -> None:
     sock.setsockopt(zmq.RCVHWM, 0)
 
 
+_CHUNK = 8 << 20   # payload frames: libzmq allocates each received frame, and an allocation
+                   # above glibc's 32 MiB mmap ceiling is fresh pages (page faults) every time
+
+
 def _recv_frames(sock, buffer: MessageBuffer) -> int:
-    """The header and payload frames of one message, into `buffer`; the byte count (an
-    oversized payload is drained and reported as its true size)."""
+    """One message's header frame and payload frames, into `buffer`; the byte count. A
+    message that is not a protocol message (a header frame of another size, more payload
+    than the buffer holds) is drained and refused."""
     import zmq
-    n = sock.recv_into(buffer.array[:protocol.HEADER_SIZE])
-    if not sock.getsockopt(zmq.RCVMORE):
-        return n
-    room = buffer.array[protocol.HEADER_SIZE:]
-    n += sock.recv_into(room)
-    while sock.getsockopt(zmq.RCVMORE):   # a peer that sent more frames than a message has
-        n += len(sock.recv())
-    return n
+    head = sock.recv_into(buffer.array[:protocol.HEADER_SIZE])
+    room, off, fits = buffer.array[protocol.HEADER_SIZE:], 0, head == protocol.HEADER_SIZE
+    while sock.getsockopt(zmq.RCVMORE):
+        if fits and off < len(room):
+            n = sock.recv_into(room[off:])
+            fits = off + n <= len(room)
+        else:
+            n, fits = len(sock.recv()), False
+        off += n
+    if not fits:
+        raise protocol.ProtocolError("length", f"a message of a {head}-byte header frame and "
+                                     f"{off} payload bytes does not fit a {protocol.HEADER_SIZE}"
+                                     f"-byte header and a {len(room)}-byte payload buffer")
+    return head + off
 
 
-def _parts(header: Header, payload) -> list:
+def _send_parts(sock, prefix: list, header: Header, payload, wait: bool) -> None:
+    """Header frame, then the payload in frames of at most _CHUNK bytes, without copying.
+    With `wait`, returns once ZeroMQ has let go of the payload (written out, or dropped with a
+    gone peer), so the caller may change it, as after MPI_Send: the server, whose replies
+    carry the global model it keeps merging into. A rank does not wait (its commit may sit
+    queued for a server that is gone, and a DEALER queues for ever): it reuses its send
+    buffer only after the reply, which the server sends once it has the whole commit."""
     head = protocol.encode(header)
     want = header.payload_nbytes
     if want == 0:
-        return [head]
+        sock.send_multipart(prefix + [head])
+        return
     if payload is None:
         raise ValueError(f"{protocol.Kind(header.kind).name} needs a {want}-byte payload")
     body = protocol._as_bytes(payload)
     if body.size != want:
         raise ValueError(f"payload has {body.size} bytes but the header says {want}")
-    return [head, body]
+    chunks = [body[i:i + _CHUNK] for i in range(0, want, _CHUNK)]
+    tracker = sock.send_multipart(prefix + [head] + chunks, copy=False, track=wait)
+    if wait:
+        tracker.wait()
 
 
 class ZmqServerEnd(ServerEnd):
@@ -227,7 +249,7 @@ class ZmqServerEnd(ServerEnd):
         frame = self.sock.recv(copy=False)
         identity, rank = frame.bytes, _rank_of(frame.bytes)
         count = _recv_frames(self.sock, self.buffer)
-        if identity.startswith(b"ashl-join-") and count <= self.buffer.tensor.numel():
+        if identity.startswith(b"ashl-join-"):
             message = protocol.received(self.buffer, count, 0, world_size=self.world_size,
                                         model_numel=self.model_numel, check_source=False)
             if message.header.kind != protocol.Kind.JOIN:
@@ -235,9 +257,6 @@ class ZmqServerEnd(ServerEnd):
             return JoinRequest(identity, message)
         if rank is None or not 0 <= rank < self.world_size:
             raise protocol.ProtocolError("rank", f"a message from unknown peer {identity[:32]!r}")
-        if count > self.buffer.tensor.numel():
-            raise protocol.ProtocolError("length", f"a {count}-byte message from rank {rank} "
-                                         f"exceeds the {self.buffer.tensor.numel()}-byte buffer")
         self.fd_rank[frame.get(zmq.SRCFD)] = rank
         return protocol.received(self.buffer, count, rank, world_size=self.world_size,
                                  model_numel=self.model_numel)
@@ -247,7 +266,7 @@ class ZmqServerEnd(ServerEnd):
         import zmq
         peer = dest if isinstance(dest, bytes) else _identity(dest)
         try:
-            self.sock.send_multipart([peer] + _parts(header, payload))
+            _send_parts(self.sock, [peer], header, payload, wait=True)
         except zmq.ZMQError as exc:
             if exc.errno == zmq.EHOSTUNREACH:
                 return False
@@ -286,7 +305,7 @@ class ZmqRankEnd(RankEnd):
         self.poller.register(self.monitor, zmq.POLLIN)
 
     def send(self, header: Header, payload=None) -> None:
-        self.sock.send_multipart(_parts(header, payload))
+        _send_parts(self.sock, [], header, payload, wait=False)
 
     def recv(self, buffer: MessageBuffer) -> Message:
         import zmq
@@ -296,9 +315,6 @@ class ZmqRankEnd(RankEnd):
             ready = dict(self.poller.poll(50 if lost_at else 250))
             if self.sock in ready:   # what arrived before a disconnect is still the server's
                 count = _recv_frames(self.sock, buffer)
-                if count > buffer.tensor.numel():
-                    raise protocol.ProtocolError("length", f"a {count}-byte message exceeds the "
-                                                 f"{buffer.tensor.numel()}-byte buffer")
                 return protocol.received(buffer, count, self.server_rank,
                                          world_size=self.world_size, model_numel=self.model_numel)
             if self.monitor in ready:
