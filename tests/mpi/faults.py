@@ -27,13 +27,16 @@ TRAIN = ("--model", "mlp", "--dataset", "digits", "--compute-slowdown", "1,1,2,4
 class Job:
     """One launched job: its process, its output folder, its ranks' pids."""
 
-    def __init__(self, out: Path, np_: int, *train_args, launcher_args=(), env=None):
+    def __init__(self, out: Path, np_: int, *train_args, launcher_args=(), env=None,
+                 script=None):
         self.out = Path(out)
         self.out.mkdir(parents=True, exist_ok=True)
+        program = ([str(script), str(self.out)] if script is not None else
+                   ["-m", "ashl.train", "--fault-tolerant", "--out", str(self.out), *TRAIN])
         cmd = [sys.executable, "-m", "ashl.run", "--status-dir", str(self.out / "status"),
                "mpirun", "-np", str(np_), "--oversubscribe", "--bind-to", "none",
-               "--enable-recovery", *launcher_args, sys.executable, "-m", "ashl.train",
-               "--fault-tolerant", "--out", str(self.out), *TRAIN, *map(str, train_args)]
+               "--enable-recovery", *launcher_args, sys.executable, *program,
+               *map(str, train_args)]
         full_env = mpi_env()
         full_env.update(ENV, **(env or {}))
         self.log = open(self.out / "job.log", "w")

@@ -1,7 +1,9 @@
 """Fault-tolerant runs lose workers to a real kill -9 and go on (issue: survivors carry on,
 nothing merged is lost). Each job is ``python -m ashl.run mpirun --enable-recovery ...
 python -m ashl.train --fault-tolerant`` on 4 GPU-like uneven ranks (10 ms x 1,1,2,4)."""
+import json
 import time
+from pathlib import Path
 
 import pytest
 
@@ -14,12 +16,12 @@ pytestmark = [pytest.mark.mpi, pytest.mark.slow,
 LOST = 3    # ashl.torch.exit.LOST_RANKS_STATUS
 
 
-def check_nothing_merged_is_lost(job: Job, lost: list[int]) -> dict:
+def check_nothing_merged_is_lost(job: Job, lost: list[int], target: float = TARGET) -> dict:
     """The run reached its target without the lost ranks, named them, and the server merged
     exactly what each worker was told it merged (the lost ones: what the server counted)."""
     summary = job.summary()
     assert summary["stop_reason"].startswith("target accuracy"), summary["stop_reason"]
-    assert summary["final_accuracy"] >= TARGET
+    assert summary["final_accuracy"] >= target
     assert [x["rank"] for x in summary["lost_ranks"]] == lost
     server = summary["per_rank"][0]["counters"]["server"]
     assert sum(server["merged_by"]) == server["merged"]
@@ -106,3 +108,32 @@ def test_a_replacement_joins_mid_run_takes_the_lost_slot_and_commits(tmp_path):
     assert server["merged_by"][2] == summary["lost_ranks"][0]["merged"] + mine["accepted"]
     assert "this replacement took rank 2's slot of 4" in (tmp_path / "replacement.log").read_text()
     assert summary["final_accuracy"] >= TARGET
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("strategy", ["ssp", "asp", "adsp", "async-localsgd"])
+def test_every_asynchronous_strategy_survives_a_killed_worker(strategy, tmp_path):
+    job = Job(tmp_path, 4, "--strategy", strategy, "--max-seconds", "120",
+              "--target-accuracy", "0.93")
+    job.wait_for("the first commits", commits_at_least(20))
+    job.kill(2)
+    assert job.finish(150) == LOST, job.text()[-3000:]
+    check_nothing_merged_is_lost(job, [2], target=0.93)
+
+
+@pytest.mark.timeout(200)
+def test_a_users_script_loses_a_worker_killed_in_the_middle_of_its_commit(tmp_path):
+    """Half a message is never a commit: the survivors go on and nothing is half-merged."""
+    job = Job(tmp_path, 4, "--die-in-send", 3, "--at-commit", 8,
+              script=Path(__file__).parent / "ft_script.py")
+    assert job.finish(150) == LOST, job.text()[-3000:]
+    assert "rank 3: killed in the middle of commit 7" in job.text()
+    results = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1, 2)}
+    assert not (tmp_path / "rank3.json").exists()
+    server = results[0]["counters"]["server"]
+    assert server["merged_by"][3] == 7 and server["rejected_invalid"] == 0
+    for r, result in results.items():
+        assert [x["rank"] for x in result["lost_ranks"]] == [3]
+        assert result["counters"]["accepted"] == server["merged_by"][r]
+        assert result["stop_reason"].startswith("target accuracy")
+        assert result["accuracy"] >= 0.95

@@ -1,0 +1,448 @@
+"""ashl.transport's ZeroMQ ends in one process, on loopback (no MPI): exact bytes both ways
+(the empty, one-byte, odd and multi-frame payloads), lost peers and a lost server, strangers
+and malformed messages, a replacement's JOIN; pick_host; and the protocol's fault-tolerant
+messages (JOIN, SUMMARY, DROPPED)."""
+
+import socket
+import time
+from collections import namedtuple
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+from ashl import protocol, transport
+from ashl.protocol import DType, Flag, Header, Kind, MessageBuffer, ProtocolError
+from ashl.stages import Stage
+from ashl.transport import JoinRequest, PeerLost, ServerLost, ZmqRankEnd, ZmqServerEnd
+
+zmq = pytest.importorskip("zmq")
+
+CHUNK = 8 << 20                 # transport._CHUNK: payload frames of at most 8 MiB
+WAIT_S = 10.0                   # a bounded wait: only a hang fails on it
+pytestmark = pytest.mark.timeout(60)
+
+
+class Ends:
+    """ZeroMQ ends on loopback, closed at the end of the test (each at most once)."""
+
+    def __init__(self):
+        self.open = []
+
+    def server(self, world_size=2, numel=10, timeout_s=1.0):
+        end = ZmqServerEnd(world_size, numel, heartbeat_s=0.2, timeout_s=timeout_s)
+        self.open.append(end)
+        return end
+
+    def rank(self, server, rank=1, numel=10, world_size=2, server_rank=0, timeout_s=2.0, **kw):
+        end = ZmqRankEnd(self.endpoint(server), rank, numel, world_size=world_size,
+                         server_rank=server_rank, heartbeat_s=0.2, timeout_s=timeout_s, **kw)
+        self.open.append(end)
+        return end
+
+    def raw(self, server, identity=None):
+        """A bare DEALER that may send anything."""
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        if identity is not None:
+            sock.setsockopt(zmq.ROUTING_ID, identity)
+        sock.connect(self.endpoint(server))
+        self.open.append((ctx, sock))
+        return sock
+
+    @staticmethod
+    def endpoint(server):
+        return f"tcp://127.0.0.1:{server.port}"
+
+    def close(self, end):
+        if end in self.open:
+            self.open.remove(end)
+            if isinstance(end, tuple):
+                end[1].close(linger=0)
+                end[0].term()
+            else:
+                end.close()
+
+    def close_all(self):
+        for end in reversed(list(self.open)):
+            self.close(end)
+
+
+@pytest.fixture
+def ends():
+    e = Ends()
+    yield e
+    e.close_all()
+
+
+def poll(server, deadline_s=WAIT_S):
+    """The server end's next event (bounded)."""
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        event = server.poll(0.05)
+        if event is not None:
+            return event
+    raise AssertionError(f"nothing arrived in {deadline_s} s")
+
+
+def header(kind, rank, dtype, numel, nnz=0, **kw):
+    return Header(kind=kind, rank=rank, stage=Stage.SHL, commit=5, base_version=11,
+                  plan_version=2, epoch=1, local_steps=4, dtype=dtype, numel=numel, nnz=nnz,
+                  samples=64, step_s=0.01, link_s=0.002, link_ratio=0.5, loss=0.25, **kw)
+
+
+def random_bytes(n, seed=0):
+    return torch.randint(0, 256, (n,), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(seed))
+
+
+# (kind from a rank, kind from the server, dtype, numel, nnz, model numel)
+CASES = {
+    "empty": (Kind.PLAN, Kind.REPLY, None, 0, 0, 10),
+    "one byte": (Kind.PLAN, Kind.SUMMARY, DType.UINT8, 1, 0, 10),
+    "odd": (Kind.JOIN, Kind.SUMMARY, DType.UINT8, 12345, 0, 10),
+    "fp16": (Kind.DENSE_DELTA, Kind.REPLY, DType.FLOAT16, 4097, 0, 4097),
+    "sparse": (Kind.SPARSE_DELTA, Kind.PLAN, DType.FLOAT32, 5000, 999, 5000),
+    "one whole frame": (Kind.DENSE_DELTA, Kind.REPLY, DType.FLOAT32, CHUNK // 4, 0, CHUNK // 4),
+    "past one frame": (Kind.DENSE_DELTA, Kind.REPLY, DType.FLOAT32, CHUNK // 4 + 3, 0,
+                       CHUNK // 4 + 3),
+    "three frames": (Kind.DENSE_DELTA, Kind.REPLY, DType.BFLOAT16, CHUNK + 7, 0, CHUNK + 7),
+}
+
+
+def case_message(name, to_server):
+    up, down, dtype, numel, nnz, model = CASES[name]
+    kind = up if to_server else down
+    if dtype is None:     # nothing after the header: an empty PLAN up, a bare REPLY down
+        dtype = DType.UINT8 if to_server else DType.NONE
+    if kind == Kind.PLAN and nnz:      # the server's sparse case travels as bytes
+        kind, dtype, numel, nnz = Kind.PLAN, DType.UINT8, nnz * 8, 0
+    h = header(kind, 1 if to_server else 0, dtype, numel, nnz)
+    return h, random_bytes(h.payload_nbytes, seed=numel), model
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_message_arrives_byte_for_byte_both_ways(ends, name):
+    h, payload, model = case_message(name, to_server=True)
+    server = ends.server(numel=model)
+    rank = ends.rank(server, numel=model)
+    rank.send(h, payload if h.payload_nbytes else None)
+    m = poll(server)
+    assert isinstance(m, protocol.Message) and m.source == 1
+    assert m.header == protocol.validate(h)
+    assert m.payload.numel() == h.payload_nbytes and torch.equal(m.payload, payload)
+
+    h, payload, _ = case_message(name, to_server=False)
+    assert server.send(1, h, payload if h.payload_nbytes else None) is True
+    buffer = MessageBuffer(max(h.payload_nbytes, 1))
+    m = rank.recv(buffer)
+    assert m.source == 0 and m.header == protocol.validate(h)
+    assert m.payload.numel() == h.payload_nbytes and torch.equal(m.payload, payload)
+
+
+@pytest.mark.parametrize("tail", [
+    pytest.param(16, marks=pytest.mark.xfail(strict=True, reason=(
+        "BUG transport.py _send_parts: it waits only on the tracker send_multipart returns, "
+        "the LAST frame's; a last frame under zmq.COPY_THRESHOLD (64 KiB) is copied and "
+        "comes back with an already-finished tracker, so send() returns while libzmq still "
+        "sends the earlier 8 MiB frames straight from the caller's buffer: a change made "
+        "after send() returns reaches the peer")), id="small last frame"),
+    pytest.param(64 << 10, id="large last frame"),
+    pytest.param(0, id="one frame"),
+])
+def test_the_payload_may_change_once_send_returns(ends, tail):
+    numel = (CHUNK + tail) // 4
+    server = ends.server(numel=numel)
+    rank = ends.rank(server, numel=numel)
+    h = header(Kind.DENSE_DELTA, 1, DType.FLOAT32, numel)
+    payload = torch.zeros(numel)
+    rank.send(h, payload)
+    payload[CHUNK // 4 - 1] = 1.0          # the first frame's last element: sent last of it
+    payload[-1] = 1.0
+    m = poll(server)
+    assert not m.dense().any(), "the peer got a change made after send() returned"
+
+
+def test_send_to_a_rank_that_never_connected_says_false(ends):
+    server = ends.server(world_size=3, numel=10)
+    rank = ends.rank(server, rank=1, world_size=3)
+    rank.send(header(Kind.PLAN, 1, DType.UINT8, 0))
+    poll(server)                                        # rank 1 is there, rank 2 is not
+    model = header(Kind.REPLY, 0, DType.FLOAT32, 10)
+    assert server.send(2, model, torch.zeros(10)) is False
+    assert server.send(2, header(Kind.REPLY, 0, DType.NONE, 0)) is False
+    assert server.send(b"ashl-join-nobody", model, torch.zeros(10)) is False
+    assert server.send(1, model, torch.zeros(10)) is True
+
+
+def test_a_closed_rank_end_is_reported_lost(ends):
+    server = ends.server(world_size=3)
+    one, two = ends.rank(server, rank=1, world_size=3), ends.rank(server, rank=2, world_size=3)
+    for end, r in ((one, 1), (two, 2)):
+        end.send(header(Kind.PLAN, r, DType.UINT8, 0))
+        assert poll(server).source == r
+    ends.close(two)
+    event = poll(server)
+    assert event == PeerLost(2, event.why) and "closed" in event.why
+    deadline = time.monotonic() + WAIT_S    # its replies now fail, the other rank's do not
+    while server.send(2, header(Kind.REPLY, 0, DType.NONE, 0)):
+        assert time.monotonic() < deadline, "a reply to a gone rank kept succeeding"
+        time.sleep(0.01)
+    assert server.send(1, header(Kind.REPLY, 0, DType.NONE, 0)) is True
+    assert one.recv(MessageBuffer(16)).header.kind == Kind.REPLY
+
+
+def test_a_closed_server_end_makes_the_rank_end_raise_server_lost(ends):
+    server = ends.server()
+    rank = ends.rank(server)
+    rank.send(header(Kind.PLAN, 1, DType.UINT8, 0))
+    poll(server)
+    server.send(1, header(Kind.REPLY, 0, DType.NONE, 0))
+    ends.close(server)
+    buffer = MessageBuffer(16)
+    assert rank.recv(buffer).header.kind == Kind.REPLY   # what it sent before still lands
+    with pytest.raises(ServerLost, match="connection closed"):
+        rank.recv(buffer)
+
+
+def test_a_server_that_is_not_there_is_lost_after_the_timeout(ends):
+    with socket.socket() as s:                  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    end = ZmqRankEnd(f"tcp://127.0.0.1:{port}", 1, 10, world_size=2, server_rank=0,
+                     timeout_s=0.3)
+    ends.open.append(end)
+    with pytest.raises(ServerLost, match="could not reach"):
+        end.recv(MessageBuffer(16))
+
+
+GOOD = header(Kind.PLAN, 1, DType.UINT8, 3)
+
+
+@pytest.mark.parametrize("identity", [b"stranger", b"ashl-rank-7", b"ashl-rank-x",
+                                      b"ashl-rank--1", b"ashl-rank-", None])
+def test_a_stranger_is_refused(ends, identity):
+    server = ends.server()
+    raw = ends.raw(server, identity)
+    raw.send_multipart([protocol.encode(GOOD), b"abc"])
+    with pytest.raises(ProtocolError) as e:
+        poll(server)
+    assert e.value.field == "rank" and "unknown peer" in str(e.value)
+
+
+def _frames(name):
+    h = protocol.encode(GOOD)
+    return {
+        "short header": [b"short"],
+        "long header": [h + b"x"],
+        "garbage": [b"\x00" * protocol.HEADER_SIZE],
+        "bad version": [h[:4] + b"\x63\x00" + h[6:]],
+        "missing payload": [h],
+        "short payload": [h, b"ab"],
+        "long payload": [h, b"abcd"],
+        "extra frame": [h, b"abc", b"d"],
+        "bigger than the buffer": [h, bytes(2 << 20)],
+        "another rank's header": [protocol.encode(GOOD.replace(rank=0)), b"abc"],
+    }[name]
+
+
+FIELDS = {"short header": "length", "long header": "length", "garbage": "magic",
+          "bad version": "version", "missing payload": "length", "short payload": "length",
+          "long payload": "length", "extra frame": "length", "bigger than the buffer": "length",
+          "another rank's header": "rank"}
+
+
+@pytest.mark.parametrize("name", list(FIELDS))
+def test_a_malformed_message_is_refused_and_the_stream_stays_in_step(ends, name):
+    server = ends.server()
+    raw = ends.raw(server, b"ashl-rank-1")
+    raw.send_multipart(_frames(name))
+    raw.send_multipart([protocol.encode(GOOD), b"xyz"])
+    with pytest.raises(ProtocolError) as e:
+        poll(server)
+    assert e.value.field == FIELDS[name]
+    m = poll(server)                                    # the next message is whole
+    assert m.header == protocol.validate(GOOD) and bytes(m.payload.numpy()) == b"xyz"
+
+
+def join_request(numel=10):
+    body = protocol.json_payload({"compute_s": 0.02, "host": "spare", "numel": numel})
+    return Header(kind=Kind.JOIN, rank=0, dtype=DType.UINT8, numel=body.size), body
+
+
+def test_a_join_comes_back_as_a_join_request_that_can_be_answered(ends):
+    server = ends.server(world_size=3, numel=10)
+    _, joiner = transport.open_ends(None, 0, 10, fault_tolerant=True, timeout_s=2.0,
+                                    join=ends.endpoint(server))
+    ends.open.append(joiner)
+    joiner.send(*join_request())
+    request = poll(server)
+    assert isinstance(request, JoinRequest)
+    assert request.peer.startswith(b"ashl-join-")
+    assert request.message.header.kind == Kind.JOIN
+    assert request.message.json() == {"compute_s": 0.02, "host": "spare", "numel": 10}
+    answer = protocol.json_payload({"rank": 2, "size": 3, "server_rank": 0})
+    assert server.send(request.peer, Header(kind=Kind.SUMMARY, rank=0, dtype=DType.UINT8,
+                                            numel=answer.size), answer)
+    model = torch.arange(10, dtype=torch.float32)
+    assert server.send(request.peer, header(Kind.REPLY, 0, DType.FLOAT32, 10), model)
+    buffer = MessageBuffer(protocol.MAX_PLAN_BYTES)
+    assert joiner.recv(buffer).json() == {"rank": 2, "size": 3, "server_rank": 0}
+    assert torch.equal(joiner.recv(buffer).dense(), model)
+
+
+def test_a_replacement_may_only_ask_to_join(ends):
+    server = ends.server()
+    raw = ends.raw(server, transport.join_identity())
+    raw.send_multipart([protocol.encode(GOOD), b"abc"])
+    with pytest.raises(ProtocolError) as e:
+        poll(server)
+    assert e.value.field == "kind"
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BUG transport.py open_ends(join=...): the replacement's ZmqRankEnd is built with "
+    "server_rank=0 and ZmqRankEnd.recv checks the sender, so the answer of a server on any "
+    "other rank (ServerThread._send_json: Header(rank=server.rank)) raises ProtocolError "
+    "'header says rank 1 but the sender is rank 0': no replacement can join a run whose "
+    "server_rank is not 0"))
+def test_a_replacement_can_join_a_server_that_is_not_on_rank_0(ends):
+    server = ends.server(world_size=3, numel=10)
+    _, joiner = transport.open_ends(None, 1, 10, fault_tolerant=True, timeout_s=2.0,
+                                    join=ends.endpoint(server))
+    ends.open.append(joiner)
+    joiner.send(*join_request())
+    request = poll(server)
+    answer = protocol.json_payload({"rank": 2, "size": 3, "server_rank": 1})
+    server.send(request.peer, Header(kind=Kind.SUMMARY, rank=1, dtype=DType.UINT8,
+                                     numel=answer.size), answer)
+    assert joiner.recv(MessageBuffer(protocol.MAX_PLAN_BYTES)).json()["server_rank"] == 1
+
+
+def test_join_identities_are_unique_and_never_a_rank():
+    a, b = transport.join_identity(), transport.join_identity()
+    assert a != b and a.startswith(b"ashl-join-") and transport._rank_of(a) is None
+    assert transport._rank_of(transport._identity(12)) == 12
+
+
+# ----------------------------------------------------------------------- pick_host
+
+
+Addr = namedtuple("Addr", "family address netmask broadcast ptp")   # psutil's snicaddr
+
+
+def fake_interfaces(monkeypatch, *addresses):
+    """This host's interfaces, as psutil.net_if_addrs() would give them."""
+    import psutil
+    table = {"lo": [Addr(socket.AF_INET, "127.0.0.1", "255.0.0.0", None, None)]}
+    for i, (address, netmask) in enumerate(addresses):
+        table[f"eth{i}"] = [Addr(socket.AF_INET, address, netmask, None, None),
+                            Addr(socket.AF_INET6, "fe80::1", None, None, None)]
+    monkeypatch.setattr(psutil, "net_if_addrs", lambda: table)
+
+
+@pytest.fixture
+def no_override(monkeypatch):
+    monkeypatch.delenv("ASHL_SERVER_HOST", raising=False)
+
+
+def test_ashl_server_host_overrides(monkeypatch):
+    fake_interfaces(monkeypatch, ("10.1.2.3", "255.255.0.0"))
+    monkeypatch.setenv("ASHL_SERVER_HOST", "head-node.example")
+    assert transport.pick_host(["10.1.2.3", "127.0.0.1"]) == "head-node.example"
+    monkeypatch.setenv("ASHL_SERVER_HOST", "")            # empty: not set
+    assert transport.pick_host(["10.1.2.3"]) == "127.0.0.1"
+
+
+@pytest.mark.parametrize("hosts,expected", [
+    (["10.1.2.3", "127.0.0.1"], "127.0.0.1"),       # the server is on this host
+    (["192.168.7.7", "10.1.2.3"], "127.0.0.1"),     # ... whichever of its addresses is ours
+    (["127.0.0.1"], "127.0.0.1"),                  # only loopback
+    (["127.0.1.1", "127.0.0.1"], "127.0.0.1"),
+    (["192.168.7.7", "10.1.9.9", "127.0.0.1"], "10.1.9.9"),   # on one of our subnets
+    (["192.168.7.7", "172.16.0.1"], "192.168.7.7"),            # else the first
+], ids=["ours", "ours second", "loopback", "loopbacks", "subnet", "first"])
+def test_pick_host(monkeypatch, no_override, hosts, expected):
+    fake_interfaces(monkeypatch, ("10.1.2.3", "255.255.0.0"))
+    assert transport.pick_host(hosts) == expected
+
+
+def test_advertised_hosts_put_loopback_last(monkeypatch):
+    fake_interfaces(monkeypatch, ("10.1.2.3", "255.255.0.0"), ("10.9.0.1", "255.255.255.0"))
+    hosts = transport.advertised_hosts()
+    assert hosts[-1] == "127.0.0.1" and set(hosts) == {"127.0.0.1", "10.1.2.3", "10.9.0.1"}
+
+
+# ------------------------------------------------ protocol: JOIN, SUMMARY, DROPPED
+
+
+def buffered(h, body):
+    buf = MessageBuffer(max(body.size, 1))
+    buf.array[:protocol.HEADER_SIZE] = np.frombuffer(protocol.encode(h), dtype=np.uint8)
+    buf.array[protocol.HEADER_SIZE:protocol.HEADER_SIZE + body.size] = body
+    return buf
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**53, 2**53) | st.text(max_size=20)
+    | st.floats(allow_nan=False, allow_infinity=False),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=20)
+
+
+@pytest.mark.parametrize("kind", [Kind.JOIN, Kind.SUMMARY])
+@given(obj=json_values)
+def test_join_and_summary_carry_json(kind, obj):
+    body = protocol.json_payload(obj)
+    h = Header(kind=kind, rank=2, stage=Stage.SHL, dtype=DType.UINT8, numel=body.size)
+    decoded = protocol.decode(protocol.encode(h), world_size=4, model_numel=10)
+    assert decoded == protocol.validate(h) and decoded.kind is kind
+    m = protocol.received(buffered(h, body), h.nbytes, 2, world_size=4, model_numel=10)
+    assert m.json() == obj
+
+
+@pytest.mark.parametrize("kind", [Kind.JOIN, Kind.SUMMARY])
+@pytest.mark.parametrize("dtype", [DType.NONE, DType.FLOAT32, DType.FLOAT16])
+def test_join_and_summary_carry_only_bytes(kind, dtype):
+    with pytest.raises(ProtocolError) as e:
+        protocol.encode(Header(kind=kind, rank=0, dtype=dtype, numel=4))
+    assert e.value.field == "dtype"
+
+
+@pytest.mark.parametrize("kind", [Kind.JOIN, Kind.SUMMARY])
+def test_a_summary_or_join_over_max_plan_bytes_is_refused(kind):
+    ok = Header(kind=kind, rank=0, dtype=DType.UINT8, numel=protocol.MAX_PLAN_BYTES)
+    assert protocol.decode(protocol.encode(ok), world_size=1, model_numel=1) == protocol.validate(ok)
+    too_big = ok.replace(numel=protocol.MAX_PLAN_BYTES + 1)
+    with pytest.raises(ProtocolError) as e:
+        protocol.encode(too_big)
+    assert e.value.field == "numel"
+    fields = list(protocol._LAYOUT.unpack(protocol.encode(ok)[:protocol._LAYOUT.size]))
+    assert fields[13] == protocol.MAX_PLAN_BYTES       # and on the wire: numel, patched
+    fields[13] = protocol.MAX_PLAN_BYTES + 1
+    raw = protocol._LAYOUT.pack(*fields) + bytes(protocol.HEADER_SIZE - protocol._LAYOUT.size)
+    with pytest.raises(ProtocolError) as e:
+        protocol.decode(bytes(raw), world_size=1, model_numel=1)
+    assert e.value.field == "numel"
+
+
+def test_a_summary_that_is_not_json_is_named():
+    body = np.frombuffer(b"\xff{", dtype=np.uint8)
+    h = Header(kind=Kind.SUMMARY, rank=0, dtype=DType.UINT8, numel=2)
+    m = protocol.received(buffered(h, body), h.nbytes, 0, world_size=1, model_numel=1)
+    with pytest.raises(ProtocolError) as e:
+        m.json()
+    assert e.value.field == "payload"
+
+
+@pytest.mark.parametrize("flags", [Flag.DROPPED, Flag.STOP | Flag.DROPPED,
+                                   Flag.ACCEPTED | Flag.STOP | Flag.PLAN_FOLLOWS | Flag.DROPPED])
+def test_dropped_is_a_flag_a_reply_may_carry(flags):
+    h = Header(kind=Kind.REPLY, rank=0, stage=Stage.AHL, dtype=DType.FLOAT32, numel=10, flags=flags)
+    decoded = protocol.decode(protocol.encode(h), world_size=2, model_numel=10)
+    assert decoded.flags == flags and decoded.flags & Flag.DROPPED
+    with pytest.raises(ProtocolError) as e:
+        protocol.encode(h.replace(flags=int(flags) | 32))
+    assert e.value.field == "flags"
