@@ -254,11 +254,14 @@ class Coordinator:
     def rejoin(self, rank: int, compute_s: float, reason: str) -> None:
         """A replacement took lost `rank`'s slot: re-plan with it, from its measured compute
         time and the slot's link (its commit reports correct that, as drift)."""
-        if rank in self.live or self.plan is None:
+        if self.plan is None or not 0 <= rank < self.n_ranks or rank in self.live:
             raise ValueError(f"rank {rank} is not a lost rank of a planned run")
-        self.live.add(rank)
+        if isinstance(compute_s, bool) or not (isinstance(compute_s, (int, float))
+                                               and math.isfinite(compute_s) and compute_s > 0):
+            raise ValueError(f"compute_s must be a number of seconds > 0, got {compute_s!r}")
         profiles = list(self.plan.profiles)
         profiles[rank] = profiles[rank].with_compute(compute_s)
+        self.live.add(rank)
         self.plan = self._plan_live(profiles, self.plan.version + 1, reason)
         self._sync_stage()
         self._log("plan", reason)

@@ -11,7 +11,9 @@ each such rank. Example::
     python -m ashl.run mpirun -np 4 --enable-recovery python -m ashl.train --fault-tolerant
 
 ``--status-dir DIR`` keeps the statuses in DIR instead of a temporary directory (ranks on
-other hosts need one that every host sees).
+other hosts need one that every host sees). When every rank has left or was declared lost
+and the launcher still runs ``--grace`` seconds later (mpirun waits for ever for the daemon
+of a host cut off mid-run), the launcher is ended.
 """
 from __future__ import annotations
 
@@ -22,12 +24,13 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from typing import Optional, Sequence
 
 ENV = "ASHL_STATUS_DIR"
 _MPI_LAUNCHERS = ("mpirun", "mpiexec", "orterun")
 
-__all__ = ["write_status", "read_statuses", "job_status", "main"]
+__all__ = ["write_status", "read_statuses", "job_status", "settled", "main"]
 
 
 def write_status(rank: int, size: int, status: int, lost: Sequence[int]) -> None:
@@ -72,8 +75,10 @@ def job_status(launcher_status: int, statuses: dict[int, dict]) -> tuple[int, li
     lost = sorted({x for r in statuses.values() for x in r.get("lost", [])})
     if lost:
         notes.append(f"the run lost rank(s) {', '.join(map(str, lost))} and went on without them")
+    # A rank the run declared lost may still exit (cut off, it then loses the server): its
+    # failure is the loss the survivors already report, not the run's.
     failed = [(rank, int(r["status"])) for rank, r in sorted(statuses.items())
-              if int(r.get("status") or 0) not in (0, LOST_RANKS_STATUS)]
+              if int(r.get("status") or 0) not in (0, LOST_RANKS_STATUS) and rank not in lost]
     for rank, status in failed:
         notes.append(f"rank {rank} exited with status {status}")
     if failed:   # a failure outranks "went on without a rank"
@@ -81,6 +86,39 @@ def job_status(launcher_status: int, statuses: dict[int, dict]) -> tuple[int, li
     if any(int(r.get("status") or 0) == LOST_RANKS_STATUS for r in statuses.values()):
         worst = max(worst, LOST_RANKS_STATUS)
     return worst, notes
+
+
+def settled(statuses: dict[int, dict]) -> bool:
+    """Every rank of the job has left a status or was declared lost by one that did (pure):
+    the run is over, whatever the launcher still waits for."""
+    if not statuses:
+        return False
+    size = max(int(r.get("size", 0)) for r in statuses.values())
+    lost = {x for r in statuses.values() for x in r.get("lost", [])}
+    return all(rank in statuses or rank in lost for rank in range(size))
+
+
+def _wait(proc: subprocess.Popen, where: str, grace_s: float) -> tuple[int, Optional[str]]:
+    """The launcher's status; if the run is over (settled) and the launcher still runs after
+    `grace_s` (mpirun waits for ever on a host cut off mid-run: its daemon never reports), the
+    launcher is ended and reported 0, with a note saying so."""
+    over_since = None
+    while True:
+        try:
+            return proc.wait(timeout=0.5), None
+        except subprocess.TimeoutExpired:
+            pass
+        if over_since is None and settled(read_statuses(where)):
+            over_since = time.monotonic()
+        if over_since is not None and time.monotonic() - over_since > grace_s:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            return 0, (f"every rank had left or was lost, but the launcher still ran {grace_s:g} s "
+                       "later (a lost host's daemon never reports): it was ended")
 
 
 def _with_exported(cmd: list[str]) -> list[str]:
@@ -94,6 +132,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="ashl.run", description=__doc__.split("\n\n")[0])
     p.add_argument("--status-dir", default=None,
                    help="where the ranks leave their statuses (default: a temporary directory)")
+    p.add_argument("--grace", type=float, default=10.0, metavar="S",
+                   help="end the launcher this long after every rank has left or was lost")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the launcher and its arguments")
     args = p.parse_args(argv)
     if not args.command:
@@ -103,10 +143,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         env = dict(os.environ, **{ENV: os.path.abspath(where)})
         try:
-            launcher = subprocess.run(_with_exported(args.command), env=env).returncode
+            proc = subprocess.Popen(_with_exported(args.command), env=env)
         except FileNotFoundError:
             p.error(f"no such launcher: {args.command[0]}")
+        launcher, ended = _wait(proc, where, args.grace)
         status, notes = job_status(launcher, read_statuses(where))
+        notes += [ended] if ended else []
     finally:
         if args.status_dir is None:
             shutil.rmtree(where, ignore_errors=True)

@@ -132,6 +132,7 @@ class ParameterServer:
         self.waiting: dict[int, Header] = {}     # rank -> the header its reply answers
         self.stats = ServerStats(merged_by=[0] * n_ranks)
         self.left: set[int] = set()              # ranks that finished or were told to stop
+        self.vacant: set[int] = set()            # lost ranks whose slot no replacement took
         # Fault tolerance (None: fail-stop, nobody is ever dropped for silence)
         self.silence_s, self.silence_rounds = silence_s, float(silence_rounds)
         self.last_heard = [clock()] * n_ranks
@@ -239,6 +240,7 @@ class ParameterServer:
                         merged=self.stats.merged_by[rank])
         self.stats.lost.append(lost)
         self.live.discard(rank)
+        self.vacant.add(rank)
         self.waiting.pop(rank, None)
         log.warning("rank %d lost at %.1f s (%s) after %d commits, %d merged; %d ranks live",
                     rank, lost.at_s, why, lost.commits, lost.merged, len(self.live))
@@ -263,7 +265,7 @@ class ParameterServer:
         re-plans with it (its measured compute time; the slot's link until its commits report
         one), and SHL's bound counts it from the slowest rank's commits. JoinRefused says why
         it cannot."""
-        free = sorted(self.lost_ranks - self.live)
+        free = sorted(self.vacant)
         if self.stopped:
             raise JoinRefused("the run is over")
         if not free:
@@ -272,9 +274,11 @@ class ParameterServer:
             raise JoinRefused(f"its model has {request.get('numel')} elements, the run's "
                               f"{self.model.numel()}")
         compute_s = request.get("compute_s")
-        if not (isinstance(compute_s, (int, float)) and math.isfinite(compute_s) and compute_s > 0):
+        if isinstance(compute_s, bool) or not (isinstance(compute_s, (int, float))
+                                               and math.isfinite(compute_s) and compute_s > 0):
             raise JoinRefused(f"its compute time per step {compute_s!r} is not a number > 0")
         slot = free[0]
+        self.vacant.discard(slot)
         self.shl_commits[slot] = self.slowest_shl()
         self.live.add(slot)
         self.left.discard(slot)
@@ -310,7 +314,7 @@ class ParameterServer:
             flags |= Flag.ACCEPTED
         if directive.stop or rank not in self.live:
             flags |= Flag.STOP
-        if rank in self.lost_ranks and rank not in self.live:
+        if rank in self.vacant:
             flags |= Flag.DROPPED
         if directive.plan is not None:
             flags |= Flag.PLAN_FOLLOWS
@@ -404,7 +408,7 @@ class ServerThread:
             with self.lock:
                 slot = self.server.admit(request.message.json())
                 reply = self.server._reply(slot, request.message.header, False)
-        except (JoinRefused, protocol.ProtocolError) as exc:
+        except (JoinRefused, protocol.ProtocolError, ValueError) as exc:
             log.warning("refused a replacement: %s", exc)
             self._send_json(request.peer, {"error": str(exc)})
             return

@@ -191,6 +191,7 @@ def _send_parts(sock, prefix: list, header: Header, payload, wait: bool) -> None
     carry the global model it keeps merging into. A rank does not wait (its commit may sit
     queued for a server that is gone, and a DEALER queues for ever): it reuses its send
     buffer only after the reply, which the server sends once it has the whole commit."""
+    import zmq
     head = protocol.encode(header)
     want = header.payload_nbytes
     if want == 0:
@@ -202,8 +203,12 @@ def _send_parts(sock, prefix: list, header: Header, payload, wait: bool) -> None
     if body.size != want:
         raise ValueError(f"payload has {body.size} bytes but the header says {want}")
     chunks = [body[i:i + _CHUNK] for i in range(0, want, _CHUNK)]
-    tracker = sock.send_multipart(prefix + [head] + chunks, copy=False, track=wait)
-    if wait:
+    for part in prefix + [head]:
+        sock.send(part, zmq.SNDMORE)
+    # every chunk zero-copy and tracked (a small one would be copied, its tracker done at once)
+    trackers = [sock.send(chunk, 0 if i == len(chunks) - 1 else zmq.SNDMORE, copy=False,
+                          track=wait) for i, chunk in enumerate(chunks)]
+    for tracker in trackers if wait else ():
         tracker.wait()
 
 
@@ -221,6 +226,7 @@ class ZmqServerEnd(ServerEnd):
         self.sock = self.context.socket(zmq.ROUTER)
         _heartbeats(self.sock, heartbeat_s, timeout_s)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)   # a reply to a gone peer fails, not vanishes
+        self.sock.copy_threshold = 0                     # every payload frame tracked (_send_parts)
         # (ROUTER_NOTIFY would name the peer, but is a draft option the wheels do not build)
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.poller = zmq.Poller()
@@ -287,8 +293,9 @@ class ZmqRankEnd(RankEnd):
     DRAIN_S = 0.5     # after the server's disconnect: messages it sent before may still land
 
     def __init__(self, endpoint: str, rank: int, model_numel: int, *, world_size: int,
-                 server_rank: int, heartbeat_s: float = 0.5, timeout_s: float = 5.0,
+                 server_rank: Optional[int], heartbeat_s: float = 0.5, timeout_s: float = 5.0,
                  identity: Optional[bytes] = None):
+        """`server_rank` None: not known yet (a replacement), any sender rank is taken."""
         import zmq
         self.endpoint, self.model_numel = endpoint, model_numel
         self.world_size, self.server_rank = world_size, server_rank
@@ -315,20 +322,22 @@ class ZmqRankEnd(RankEnd):
             ready = dict(self.poller.poll(50 if lost_at else 250))
             if self.sock in ready:   # what arrived before a disconnect is still the server's
                 count = _recv_frames(self.sock, buffer)
-                return protocol.received(buffer, count, self.server_rank,
-                                         world_size=self.world_size, model_numel=self.model_numel)
+                return protocol.received(buffer, count, self.server_rank or 0,
+                                         world_size=self.world_size, model_numel=self.model_numel,
+                                         check_source=self.server_rank is not None)
             if self.monitor in ready:
                 event = recv_monitor_message(self.monitor)["event"]
                 if event == zmq.EVENT_DISCONNECTED:
                     lost_at = lost_at or time.monotonic()
                 self.connected = self.connected or event == zmq.EVENT_CONNECTED
             now = time.monotonic()
+            where = (self.endpoint if self.server_rank is None
+                     else f"rank {self.server_rank}, {self.endpoint}")
             if lost_at is not None and now - lost_at > self.DRAIN_S:
-                raise ServerLost(f"lost the parameter server (rank {self.server_rank}, "
-                                 f"{self.endpoint}): its connection closed")
+                raise ServerLost(f"lost the parameter server ({where}): its connection closed")
             if not self.connected and now - started > self.timeout_s:
-                raise ServerLost(f"could not reach the parameter server (rank "
-                                 f"{self.server_rank}) at {self.endpoint} in {self.timeout_s:g} s")
+                raise ServerLost(f"could not reach the parameter server ({where}) in "
+                                 f"{self.timeout_s:g} s")
 
     def close(self) -> None:
         self.sock.disable_monitor()
@@ -380,7 +389,7 @@ def open_ends(comm, server_rank: int, model_numel: int, *, fault_tolerant: bool,
     ROUTER and broadcasts where it listens; every rank connects to it. A replacement
     (`join`: the run's endpoint, ASHL_JOIN) connects there alone, under a join identity."""
     if join is not None:
-        return None, ZmqRankEnd(join, 0, model_numel, world_size=2**31 - 1, server_rank=0,
+        return None, ZmqRankEnd(join, 0, model_numel, world_size=2**31 - 1, server_rank=None,
                                 heartbeat_s=heartbeat_s, timeout_s=timeout_s,
                                 identity=join_identity())
     rank, size = comm.Get_rank(), comm.Get_size()

@@ -145,7 +145,8 @@ class HeterogeneousSampler(Sampler[int]):
         """Become rank `rank` of `num_replicas` (a replacement that took a lost rank's slot);
         equal shares until set_shares, from the next epoch boundary (a pass already running
         keeps its indices)."""
-        if not (isinstance(num_replicas, numbers.Integral) and num_replicas >= 1
+        if isinstance(rank, bool) or isinstance(num_replicas, bool) or not (
+                isinstance(num_replicas, numbers.Integral) and num_replicas >= 1
                 and isinstance(rank, numbers.Integral) and 0 <= rank < num_replicas):
             raise ValueError(f"rank {rank!r} of {num_replicas!r} replicas is not a rank")
         self.num_replicas, self.rank = int(num_replicas), int(rank)
