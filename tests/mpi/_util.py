@@ -68,6 +68,14 @@ def mpirun(np_, script, *args, timeout=120, env=None, check=True):
     return proc
 
 
+def bench(command, *args, timeout=120):
+    """python -m ashl.bench COMMAND ARGS (one thread per process); the completed process."""
+    env = mpi_env()
+    env["OMP_NUM_THREADS"] = "1"
+    return subprocess.run([sys.executable, "-m", "ashl.bench", command, *map(str, args)],
+                          capture_output=True, text=True, env=env, timeout=timeout)
+
+
 def horovodrun(*args, timeout=120):
     """horovodrun (this venv's) with `args`; returns the completed process."""
     bin_dir = Path(sys.executable).parent

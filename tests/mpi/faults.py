@@ -130,3 +130,41 @@ def commits_at_least(n: int):
 
 def in_stage(stage: str):
     return lambda rows: any(r.get("stage") == stage for r in rows)
+
+
+def accounting_problems(job: Job, lost: list[int], target: float = TARGET) -> list[str]:
+    """What is wrong with a finished fault-tolerant run that lost the ranks `lost`: it
+    must reach `target` without them, name them, and have merged exactly what each worker
+    was told it merged (a lost one: what the server counted for it). [] if nothing."""
+    if not (job.out / "summary.json").exists():
+        return ["no summary.json"]
+    summary, out = job.summary(), []
+    if not (summary["stop_reason"] or "").startswith("target accuracy"):
+        out.append(f"stopped by {summary['stop_reason']!r}")
+    if summary["final_accuracy"] < target:
+        out.append(f"final accuracy {summary['final_accuracy']:.4f} < {target}")
+    if sorted(x["rank"] for x in summary["lost_ranks"]) != sorted(lost):
+        out.append(f"lost {[x['rank'] for x in summary['lost_ranks']]}, expected {lost}")
+    server = summary["per_rank"][0]["counters"]["server"]
+    if sum(server["merged_by"]) != server["merged"]:
+        out.append(f"merged_by {server['merged_by']} does not add up to {server['merged']}")
+    for r in range(job.np):
+        if r in lost:
+            record = next((x for x in summary["lost_ranks"] if x["rank"] == r), None)
+            if job.rank_result(r) is not None:
+                out.append(f"lost rank {r} wrote a result")
+            if record is None or record["merged"] != server["merged_by"][r]:
+                out.append(f"lost rank {r}: the server counted {server['merged_by'][r]} merged, "
+                           f"the record says {record and record['merged']}")
+            continue
+        result = job.rank_result(r)
+        if result is None:
+            out.append(f"survivor {r} wrote no result")
+        elif result["counters"]["accepted"] != server["merged_by"][r]:
+            out.append(f"rank {r} was told {result['counters']['accepted']} merged, the server "
+                       f"merged {server['merged_by'][r]}")
+        elif result["counters"]["stop_reason"] != summary["stop_reason"]:
+            out.append(f"rank {r} stopped for {result['counters']['stop_reason']!r}")
+    text = job.text()
+    out += [f"no line names lost rank {r}" for r in lost if f"worker rank {r} was lost" not in text]
+    return out

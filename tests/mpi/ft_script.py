@@ -35,6 +35,9 @@ parser.add_argument("--target-accuracy", type=float, default=0.95)
 parser.add_argument("--max-seconds", type=float, default=90)
 parser.add_argument("--die-in-send", type=int, default=-1, metavar="RANK")
 parser.add_argument("--at-commit", type=int, default=10)
+parser.add_argument("--die-at-step", type=int, default=-1, metavar="RANK",
+                    help="this rank kills itself at its 3rd step, while profiling")
+parser.add_argument("--startup-timeout", type=float, default=None)
 args = parser.parse_args()
 
 hvd.init(comm=MPI.COMM_WORLD)
@@ -55,6 +58,7 @@ optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * hvd.size(), momentu
 optimizer = ashl.DistributedOptimizer(
     optimizer, named_parameters=model.named_parameters(), backward_passes_per_step=1,
     model=model, sampler=sampler, fault_tolerant=True, evaluate=accuracy, eval_every_s=0.2,
+    startup_timeout_s=args.startup_timeout,
     stage_config=StageConfig(target_accuracy=args.target_accuracy, max_seconds=args.max_seconds))
 ashl.broadcast_parameters(model.state_dict(), root_rank=0)
 
@@ -81,6 +85,9 @@ while not optimizer.finished:
         loss = F.cross_entropy(model(data_batch), target)
         loss.backward()
         optimizer.step(loss=loss)
+        if hvd.rank() == args.die_at_step and optimizer.counters()["local_steps"] == 3:
+            print(f"rank {hvd.rank()}: killed while profiling", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
         if (hvd.rank() == args.die_in_send
                 and optimizer.counters()["commits"] + 1 >= args.at_commit):
             end = optimizer.strategy.client.end

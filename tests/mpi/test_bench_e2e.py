@@ -3,8 +3,6 @@ reported without ending the benchmark, and a small real comparison under mpirun.
 
 import json
 import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,10 +17,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def bench(*args, timeout=120):
-    env = _util.mpi_env()
-    env["OMP_NUM_THREADS"] = "1"
-    return subprocess.run([sys.executable, "-m", "ashl.bench", "e2e", *map(str, args)],
-                          capture_output=True, text=True, env=env, timeout=timeout)
+    return _util.bench("e2e", *args, timeout=timeout)
 
 
 def test_registered_as_a_bench_subcommand():

@@ -4,8 +4,6 @@ is there, positive and finite, and that every reply carried the commit's bytes."
 
 import json
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -21,10 +19,7 @@ pytestmark = pytest.mark.mpi
 
 
 def run_bench(*args, timeout=120):
-    env = _util.mpi_env()
-    env["OMP_NUM_THREADS"] = "1"
-    return subprocess.run([sys.executable, "-m", "ashl.bench", "transport", *map(str, args)],
-                          capture_output=True, text=True, env=env, timeout=timeout)
+    return _util.bench("transport", *args, timeout=timeout)
 
 
 def test_registered_as_a_bench_subcommand():

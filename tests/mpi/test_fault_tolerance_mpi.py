@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from _util import skip_reason
-from faults import TARGET, Job, commits_at_least, in_stage
+from faults import TARGET, Job, accounting_problems, commits_at_least, in_stage
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow,
               pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or "")]
@@ -19,25 +19,9 @@ LOST = 3    # ashl.torch.exit.LOST_RANKS_STATUS
 def check_nothing_merged_is_lost(job: Job, lost: list[int], target: float = TARGET) -> dict:
     """The run reached its target without the lost ranks, named them, and the server merged
     exactly what each worker was told it merged (the lost ones: what the server counted)."""
-    summary = job.summary()
-    assert summary["stop_reason"].startswith("target accuracy"), summary["stop_reason"]
-    assert summary["final_accuracy"] >= target
-    assert [x["rank"] for x in summary["lost_ranks"]] == lost
-    server = summary["per_rank"][0]["counters"]["server"]
-    assert sum(server["merged_by"]) == server["merged"]
-    for r in range(job.np):
-        if r in lost:
-            assert job.rank_result(r) is None
-            record = next(x for x in summary["lost_ranks"] if x["rank"] == r)
-            assert record["merged"] == server["merged_by"][r] and record["commits"] >= 1
-        else:
-            counters = job.rank_result(r)["counters"]
-            assert counters["accepted"] == server["merged_by"][r], (r, counters, server)
-            assert counters["stop_reason"] == summary["stop_reason"]
-    text = job.text()
-    for r in lost:
-        assert f"worker rank {r} was lost" in text
-    return summary
+    problems = accounting_problems(job, lost, target)
+    assert not problems, "\n".join(problems) + "\n" + job.text()[-3000:]
+    return job.summary()
 
 
 @pytest.mark.timeout(180)
@@ -137,3 +121,16 @@ def test_a_users_script_loses_a_worker_killed_in_the_middle_of_its_commit(tmp_pa
         assert result["counters"]["accepted"] == server["merged_by"][r]
         assert result["stop_reason"].startswith("target accuracy")
         assert result["accuracy"] >= 0.95
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_lost_while_profiling_ends_the_job_instead_of_hanging_it(tmp_path):
+    """Profiling is collective: the others cannot go on without the lost rank, and must not
+    wait for it for ever either."""
+    job = Job(tmp_path, 4, "--die-at-step", 2, "--startup-timeout", 10,
+              script=Path(__file__).parent / "ft_script.py")
+    rc = job.finish(90)
+    text = job.text()
+    assert "rank 2: killed while profiling" in text
+    assert "a rank was lost before training began; ending the job" in text
+    assert rc == 1, text[-3000:]

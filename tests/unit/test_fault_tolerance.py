@@ -611,7 +611,7 @@ def test_merged_by_adds_up_to_merged(sequence):
             _, rank, nonfinite, final = op
             h, payload = dense(rank, value=math.nan if nonfinite else 1.0,
                                flags=Flag.FINAL if final else Flag(0))
-            live, left = rank in s.live, rank in s.left
+            live = rank in s.live
             (r,) = s.handle(h, payload)
             assert r.dest == rank
             assert bool(r.header.flags & Flag.ACCEPTED) == (live and not nonfinite)

@@ -363,13 +363,18 @@ def join_request(numel=10):
     return Header(kind=Kind.JOIN, rank=0, dtype=DType.UINT8, numel=body.size), body
 
 
-def test_a_join_comes_back_as_a_join_request_that_can_be_answered(ends):
-    server = ends.server(world_size=3, numel=10)
-    _, joiner = transport.open_ends(None, 0, 10, fault_tolerant=True, timeout_s=2.0,
+def ask_to_join(ends, server, server_rank=0):
+    """A replacement's end, and the JOIN it sent as the server received it."""
+    _, joiner = transport.open_ends(None, server_rank, 10, fault_tolerant=True, timeout_s=2.0,
                                     join=ends.endpoint(server))
     ends.open.append(joiner)
     joiner.send(*join_request())
-    request = poll(server)
+    return joiner, poll(server)
+
+
+def test_a_join_comes_back_as_a_join_request_that_can_be_answered(ends):
+    server = ends.server(world_size=3, numel=10)
+    joiner, request = ask_to_join(ends, server)
     assert isinstance(request, JoinRequest)
     assert request.peer.startswith(b"ashl-join-")
     assert request.message.header.kind == Kind.JOIN
@@ -395,11 +400,7 @@ def test_a_replacement_may_only_ask_to_join(ends):
 
 def test_a_replacement_can_join_a_server_that_is_not_on_rank_0(ends):
     server = ends.server(world_size=3, numel=10)
-    _, joiner = transport.open_ends(None, 1, 10, fault_tolerant=True, timeout_s=2.0,
-                                    join=ends.endpoint(server))
-    ends.open.append(joiner)
-    joiner.send(*join_request())
-    request = poll(server)
+    joiner, request = ask_to_join(ends, server, server_rank=1)
     answer = protocol.json_payload({"rank": 2, "size": 3, "server_rank": 1})
     server.send(request.peer, Header(kind=Kind.SUMMARY, rank=1, dtype=DType.UINT8,
                                      numel=answer.size), answer)

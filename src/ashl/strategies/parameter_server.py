@@ -32,6 +32,7 @@ from ..outer_spec import parse_outer, resolve_outer
 from ..planner import Plan, PlannerConfig, make_plan
 from ..server import ParameterServer, ServerThread
 from ..stages import Stage, StageConfig
+from ..torch.exit import start_watchdog
 from ..transport import ZmqRankEnd, advertised_hosts, open_ends
 from .base import Strategy
 from .model_state import verify_same_model
@@ -40,6 +41,8 @@ from .runtime import world_comm
 log = logging.getLogger("ashl")
 
 JOIN_ENV = "ASHL_JOIN"    # tcp://host:port of a fault-tolerant run's server: join it
+STARTUP_TIMEOUT_S = 120.0  # fault-tolerant runs: profiling and planning end within this
+                           # (or 20 fault timeouts), else a rank was lost before training
 
 
 def check_fault_tolerance(fault_tolerant, timeout_s) -> bool:
@@ -67,7 +70,7 @@ class ServerStrategy(Strategy):
                  drift_config: Optional[DriftConfig] = None,
                  evaluate=None, eval_every_s: float = 2.0, poll_s: float = 2e-4,
                  heterogeneity=None, profile_steps: int = 10, fault_tolerant: bool = False,
-                 fault_timeout_s: float = 5.0):
+                 fault_timeout_s: float = 5.0, startup_timeout_s: Optional[float] = None):
         # A replacement for a lost rank (ASHL_JOIN=tcp://host:port) starts alone and takes
         # the slot, size and server rank the run's server gives it (_join).
         self.join = os.environ.get(JOIN_ENV) or None
@@ -88,6 +91,8 @@ class ServerStrategy(Strategy):
         self.fault_tolerant = check_fault_tolerance(fault_tolerant or self.join is not None,
                                                     fault_timeout_s)
         self.fault_timeout_s = float(fault_timeout_s)
+        self.startup_timeout_s = (max(STARTUP_TIMEOUT_S, 20 * self.fault_timeout_s)
+                                  if startup_timeout_s is None else float(startup_timeout_s))
         self.mc = MPICoordinator(world, root=server_rank, planner_config=planner_config,
                                  stage_config=stage_config, drift_config=drift_config)
         if self.is_server:
@@ -180,11 +185,17 @@ class ServerStrategy(Strategy):
             self._start_from_checkpoint()
 
     def _plan(self) -> None:
-        if self.join is None:
+        if self.join is not None:
+            self.planned = True
+            self._join()
+        elif self.fault_tolerant:
+            # Profiling is collective: a rank lost before the plan would leave the others
+            # waiting in it for ever (Open MPI under --enable-recovery), so a watchdog ends
+            # the job if it does not finish in time.
+            with start_watchdog(self.rank, self.size, self.startup_timeout_s):
+                super()._plan()
+        else:
             super()._plan()
-            return
-        self.planned = True
-        self._join()
 
     def _join(self) -> None:
         """A replacement, at the end of its timed first steps: ask the run's server for a lost

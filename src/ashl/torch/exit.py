@@ -25,13 +25,15 @@ MPI are still alive.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import sys
 import threading
 import traceback
 
-__all__ = ["leave_at_exit", "LOST_RANKS_STATUS", "exit_without_finalize", "end_failed_start"]
+__all__ = ["leave_at_exit", "LOST_RANKS_STATUS", "exit_without_finalize", "end_failed_start",
+           "start_watchdog"]
 
 LOST_RANKS_STATUS = 3         # a fault-tolerant run ended, but without some of its ranks
 
@@ -131,6 +133,28 @@ def end_failed_start(exc: BaseException, comm=None) -> None:
     print(f"ashl: rank {MPI.COMM_WORLD.Get_rank()}: the fault-tolerant run could not start "
           f"({type(exc).__name__}: {exc}); ending the job", file=sys.stderr, flush=True)
     MPI.COMM_WORLD.Abort(1)
+
+
+@contextlib.contextmanager
+def start_watchdog(rank: int, size: int, timeout_s: float):
+    """Within the block, a collective that one lost rank would leave waiting for ever: after
+    `timeout_s` the job ends (MPI_Abort), this rank's failure left for ashl.run first."""
+    def expire():
+        from ..run import write_status
+        write_status(rank, size, 1, [])
+        print(f"ashl: rank {rank}: the start-up (profiling and the plan) did not finish in "
+              f"{timeout_s:g} s: a rank was lost before training began; ending the job",
+              file=sys.stderr, flush=True)
+        from mpi4py import MPI
+        MPI.COMM_WORLD.Abort(1)
+
+    timer = threading.Timer(timeout_s, expire)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 def exit_without_finalize(status: int, strategy=None, lost=()) -> None:
