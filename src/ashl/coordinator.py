@@ -39,7 +39,8 @@ __all__ = ["CommitReport", "Directive", "DriftConfig", "CoordinatorEvent", "Coor
 log = logging.getLogger("ashl.coordinator")
 
 
-def _finite_positive(value: Any) -> bool:
+def positive_seconds(value: Any) -> bool:
+    """A number of seconds > 0 (not a bool, not NaN or infinite)."""
     return (isinstance(value, (int, float)) and not isinstance(value, bool)
             and math.isfinite(value) and value > 0)
 
@@ -226,9 +227,9 @@ class Coordinator:
         if not isinstance(report.rank, int) or not 0 <= report.rank < self.n_ranks:
             raise ValueError(f"report from rank {report.rank!r}, but there are {self.n_ranks} ranks")
         r = report.rank
-        if _finite_positive(report.step_s):
+        if positive_seconds(report.step_s):
             self._steps[r].append(float(report.step_s))
-        if _finite_positive(report.link_s) and _finite_positive(report.link_ratio):
+        if positive_seconds(report.link_s) and positive_seconds(report.link_ratio):
             self._links[r].append((float(report.link_s), float(report.link_ratio)))
         loss = report.loss if report.loss is not None and math.isfinite(report.loss) else None
         self.machine.commit(r, self.clock(), loss)
@@ -256,8 +257,7 @@ class Coordinator:
         time and the slot's link (its commit reports correct that, as drift)."""
         if self.plan is None or not 0 <= rank < self.n_ranks or rank in self.live:
             raise ValueError(f"rank {rank} is not a lost rank of a planned run")
-        if isinstance(compute_s, bool) or not (isinstance(compute_s, (int, float))
-                                               and math.isfinite(compute_s) and compute_s > 0):
+        if not positive_seconds(compute_s):
             raise ValueError(f"compute_s must be a number of seconds > 0, got {compute_s!r}")
         profiles = list(self.plan.profiles)
         profiles[rank] = profiles[rank].with_compute(compute_s)

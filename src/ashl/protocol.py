@@ -107,6 +107,7 @@ class Kind(enum.IntEnum):
     SUMMARY = 8        # server -> rank, fault-tolerant end: the run's end (reason, lost ranks) as JSON
                        # (and the answer to a JOIN: the slot the replacement takes)
     JOIN = 9           # a replacement -> server: asks for a lost rank's slot (its profile as JSON)
+    HELLO = 10         # rank -> server, ZeroMQ: "this connection is rank r" (no payload)
 
 
 class DType(enum.IntEnum):
@@ -304,7 +305,7 @@ def _payload_shape(h: Header, kind: Kind, dtype: DType, model_numel: int | None)
             raise ProtocolError("numel", f"a {kind.name} of {h.numel} bytes exceeds {MAX_PLAN_BYTES}")
         if h.nnz != 0:
             raise ProtocolError("nnz", f"must be 0 for {kind.name}, got {h.nnz}")
-    else:  # a REPLY without a model
+    else:  # a REPLY without a model, a HELLO
         if dtype != DType.NONE:
             raise ProtocolError("dtype", f"{kind.name} carries no payload, got {dtype.name}")
         if h.numel != 0 or h.nnz != 0:

@@ -47,6 +47,12 @@ def write_status(rank: int, size: int, status: int, lost: Sequence[int]) -> None
         print(f"ashl: rank {rank}: could not write its status to {where}: {e}", file=sys.stderr)
 
 
+def clear_statuses(where: str) -> None:
+    for name in os.listdir(where):
+        if name.startswith("rank") and name.endswith(".json"):
+            os.remove(os.path.join(where, name))
+
+
 def read_statuses(where: str) -> dict[int, dict]:
     out = {}
     for name in os.listdir(where):
@@ -140,6 +146,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p.error("no command: give the launcher and its arguments, e.g. mpirun -np 4 ...")
     where = args.status_dir or tempfile.mkdtemp(prefix="ashl-status-")
     os.makedirs(where, exist_ok=True)
+    clear_statuses(where)     # an earlier job's statuses in the same folder are not this one's
     try:
         env = dict(os.environ, **{ENV: os.path.abspath(where)})
         try:

@@ -8,9 +8,10 @@ way), hands them to the server and sends the replies. The rank's half of the exc
 ``client.ServerClient``.
 
 Fault tolerance: a rank whose connection closes or falls silent (the transport says so), or
-that sends nothing for ``max(silence_s, silence_rounds x its planned round)`` while not held
-back, is dropped: it leaves the live set, the coordinator re-plans among the survivors, and
-the record names it, when and what it had contributed. What it had merged stays merged.
+that, once its rounds have been seen, sends nothing for ``max(silence_s, silence_rounds x
+its longest recent round)`` while not held back (a hung process), is dropped: it leaves the
+live set, the coordinator re-plans among the survivors, and the record names it, when and
+what it had contributed. What it had merged stays merged.
 
 Merge: ``u = merge_weight[rank] * staleness(excess) * delta``, excess = the versions since the
 delta's base beyond one commit of every other live rank (``ParameterServer.excess``), and the
@@ -37,13 +38,13 @@ import torch
 
 from . import protocol
 from .compression import Payload
-from .coordinator import CommitReport, Coordinator, Directive
+from .coordinator import CommitReport, Coordinator, Directive, positive_seconds
 from .outer import OuterOptimizer, make_outer
 from .planner import Plan
 from .protocol import Flag, Header, Kind
 from .staleness import Staleness, parse_staleness
 from .stages import Stage
-from .transport import JoinRequest, PeerLost, ServerEnd
+from .transport import JoinRequest, PeerLost, ServerEnd, StalePeer, rank_identity
 
 log = logging.getLogger("ashl.server")
 
@@ -104,7 +105,7 @@ class ParameterServer:
                  rank: int = 0, staleness: "str | Staleness" = "none", bound: int = 3,
                  downlink: torch.dtype = torch.float32, outer: Optional[OuterOptimizer] = None,
                  silence_s: Optional[float] = None, silence_rounds: float = 3.0,
-                 clock: Callable[[], float] = time.monotonic):
+                 strategy: str = "ashl", clock: Callable[[], float] = time.monotonic):
         if initial.dtype != torch.float32 or initial.dim() != 1:
             raise ValueError("the global model must be a flat fp32 tensor")
         if bound < 0:
@@ -118,6 +119,7 @@ class ParameterServer:
                              f"global model has {self.model.numel()}")
         self.n_ranks = n_ranks
         self.rank = rank             # where the server runs: the sender of every reply
+        self.strategy = strategy     # what a replacement must run
         self.coordinator = coordinator
         self.staleness = parse_staleness(staleness)
         self.bound = int(bound)
@@ -133,9 +135,13 @@ class ParameterServer:
         self.stats = ServerStats(merged_by=[0] * n_ranks)
         self.left: set[int] = set()              # ranks that finished or were told to stop
         self.vacant: set[int] = set()            # lost ranks whose slot no replacement took
+        self.undelivered: set[int] = set()       # left, but their STOP reply did not arrive
         # Fault tolerance (None: fail-stop, nobody is ever dropped for silence)
         self.silence_s, self.silence_rounds = silence_s, float(silence_rounds)
         self.last_heard = [clock()] * n_ranks
+        # each rank's recent rounds: from a reply to its next commit
+        self.replied_at: list[Optional[float]] = [None] * n_ranks
+        self.rounds = [deque(maxlen=5) for _ in range(n_ranks)]
         self.commit_rate = 0    # adsp's c_target, carried by every reply (REPLY.local_steps)
 
     # ------------------------------------------------------------------ queries
@@ -159,14 +165,16 @@ class ParameterServer:
         return {x.rank for x in self.stats.lost}
 
     def silent(self) -> list[tuple[int, str]]:
-        """Live ranks (not this one, not held back) heard from longer ago than their limit:
-        max(silence_s, silence_rounds x the rank's planned round)."""
-        if self.silence_s is None or self.stopped:
+        """Live ranks (not this one, not held back, with rounds seen) not heard from since
+        their last reply for longer than max(silence_s, silence_rounds x their longest recent
+        round): a hung process (a dead or cut-off one the transport reports sooner)."""
+        if self.silence_s is None:
             return []
-        now, plan, out = self.clock(), self.coordinator.plan, []
+        now, out = self.clock(), []
         for r in sorted(self.live - {self.rank} - set(self.waiting)):
-            round_s = plan.stage(self.coordinator.stage.planned).rank_round_s[r] if plan else 0.0
-            limit = max(self.silence_s, self.silence_rounds * round_s)
+            if not self.rounds[r]:
+                continue
+            limit = max(self.silence_s, self.silence_rounds * max(self.rounds[r]))
             if now - self.last_heard[r] > limit:
                 out.append((r, f"silent for {now - self.last_heard[r]:.1f} s (limit {limit:.1f} s)"))
         return out
@@ -181,7 +189,10 @@ class ParameterServer:
         rank = header.rank
         if header.kind not in (Kind.DENSE_DELTA, Kind.SPARSE_DELTA):
             raise protocol.ProtocolError("kind", f"the server does not take {Kind(header.kind).name}")
-        self.last_heard[rank] = self.clock()
+        now = self.clock()
+        if self.replied_at[rank] is not None:
+            self.rounds[rank].append(now - self.replied_at[rank])
+        self.last_heard[rank] = now
         stage = header.stage
         staleness = max(0, self.version - header.base_version)
         self.stats.max_staleness = max(self.stats.max_staleness, staleness)
@@ -229,12 +240,16 @@ class ParameterServer:
     def begin(self) -> None:
         """Training starts now: every rank's silence is counted from here."""
         self.last_heard = [self.clock()] * self.n_ranks
+        self.replied_at = [None] * self.n_ranks
 
     def lose(self, rank: int, why: str) -> list[OutgoingReply]:
         """Drop `rank` (gone or silent): no reply waits for it, the coordinator re-plans
-        among the survivors; what it merged stays. A rank that had already left is not lost."""
-        if rank not in self.live or rank == self.rank:
+        among the survivors; what it merged stays. A rank that had left is lost only if its
+        last reply could not be delivered (`undelivered`)."""
+        if rank == self.rank or not (rank in self.live or rank in self.undelivered):
             return []
+        self.undelivered.discard(rank)
+        self.left.discard(rank)
         lost = LostRank(rank=rank, at_s=self.clock() - self.coordinator.machine.start_time,
                         why=why, commits=self.coordinator.machine.commits_of(rank),
                         merged=self.stats.merged_by[rank])
@@ -266,23 +281,28 @@ class ParameterServer:
         one), and SHL's bound counts it from the slowest rank's commits. JoinRefused says why
         it cannot."""
         free = sorted(self.vacant)
+        if not isinstance(request, dict):
+            raise JoinRefused(f"its request is not a JSON object: {request!r:.80}")
         if self.stopped:
             raise JoinRefused("the run is over")
         if not free:
             raise JoinRefused("no rank has been lost: a replacement takes a lost rank's slot")
+        if request.get("strategy") != self.strategy:
+            raise JoinRefused(f"it runs strategy {request.get('strategy')!r}, the run "
+                              f"{self.strategy!r}")
         if request.get("numel") != self.model.numel():
             raise JoinRefused(f"its model has {request.get('numel')} elements, the run's "
                               f"{self.model.numel()}")
         compute_s = request.get("compute_s")
-        if isinstance(compute_s, bool) or not (isinstance(compute_s, (int, float))
-                                               and math.isfinite(compute_s) and compute_s > 0):
+        if not positive_seconds(compute_s):
             raise JoinRefused(f"its compute time per step {compute_s!r} is not a number > 0")
         slot = free[0]
         self.vacant.discard(slot)
         self.shl_commits[slot] = self.slowest_shl()
         self.live.add(slot)
         self.left.discard(slot)
-        self.last_heard[slot] = self.clock()
+        self.last_heard[slot], self.replied_at[slot] = self.clock(), None
+        self.rounds[slot].clear()
         log.warning("a replacement on %s takes rank %d's slot; %d ranks live",
                     request.get("host", "?"), slot, len(self.live))
         self.coordinator.rejoin(slot, float(compute_s), f"a replacement took rank {slot}'s slot")
@@ -320,6 +340,7 @@ class ParameterServer:
             flags |= Flag.PLAN_FOLLOWS
         if flags & Flag.STOP:
             self._leave(rank, "stopped")   # told to stop: it sends nothing more
+        self.replied_at[rank] = self.last_heard[rank] = self.clock()   # its next round begins
         body = self._downlink()
         header = Header(kind=Kind.REPLY, rank=self.rank, stage=directive.stage,
                         commit=asked.commit, base_version=self.version,
@@ -379,6 +400,7 @@ class ServerThread:
         except BaseException as exc:  # noqa: BLE001 - reported to the training thread
             self.error = exc
             log.exception("the parameter server failed")
+            self.end.close()   # every rank's end sees it go, none waits for a reply for ever
 
     def _serve(self, event) -> None:
         """One commit, one lost peer, or one replacement asking to join, from the transport."""
@@ -386,6 +408,12 @@ class ServerThread:
             return
         if isinstance(event, JoinRequest):
             self._admit(event)
+            return
+        if isinstance(event, StalePeer):   # dropped, and its slot taken: it is out
+            log.warning("a message from rank %d's former process: told it was dropped",
+                        event.rank)
+            self.end.send(event.peer, Header(kind=Kind.REPLY, rank=self.server.rank,
+                                             stage=Stage.DONE, flags=Flag.STOP | Flag.DROPPED))
             return
         if isinstance(event, PeerLost):
             with self.lock:
@@ -408,12 +436,15 @@ class ServerThread:
             with self.lock:
                 slot = self.server.admit(request.message.json())
                 reply = self.server._reply(slot, request.message.header, False)
-        except (JoinRefused, protocol.ProtocolError, ValueError) as exc:
+        except (JoinRefused, protocol.ProtocolError, ValueError, TypeError) as exc:
             log.warning("refused a replacement: %s", exc)
             self._send_json(request.peer, {"error": str(exc)})
             return
+        identity = rank_identity(slot)
+        self.end.assign(slot, identity)   # that connection, and no other, is the slot now
         self._send_json(request.peer, {"rank": slot, "size": self.server.n_ranks,
-                                       "server_rank": self.server.rank})
+                                       "server_rank": self.server.rank,
+                                       "identity": identity.decode()})
         self._send(dataclasses.replace(reply, dest=request.peer))
 
     def _send_json(self, dest: "int | bytes", obj: dict) -> bool:
@@ -426,6 +457,8 @@ class ServerThread:
         for r in replies:
             if not self._send(r):
                 with self.lock:
+                    if r.header.flags & Flag.STOP:
+                        self.server.undelivered.add(r.dest)
                     more = self.server.lose(r.dest, "unreachable when its reply was sent")
                 self._send_all(more)
 

@@ -433,7 +433,7 @@ class Run:
             print(f"{PROG}: worker rank {x['rank']} was lost at "
                   f"{x['at_s']:.1f} s ({x['why']}) after {x['commits']} commits, "
                   f"{x['merged']} merged; the run went on without it", file=sys.stderr)
-        return LOST_RANKS_STATUS if lost else 0
+        return LOST_RANKS_STATUS if lost or getattr(self.opt.strategy, "dropped", False) else 0
 
     # -------------------------------------------------------------- start
     def begin(self) -> None:
@@ -475,8 +475,9 @@ class Run:
         """A fault-tolerant run says where a replacement joins (also in --out/join_address)."""
         address = getattr(self.opt.strategy, "join_address", None)
         if address:
-            print(f"{PROG}: fault-tolerant run; a replacement joins with ASHL_JOIN={address}",
-                  file=sys.stderr, flush=True)
+            others = self.opt.strategy.join_addresses[1:]
+            print(f"{PROG}: fault-tolerant run; a replacement joins with ASHL_JOIN={address}"
+                  + (f" (or {', '.join(others)})" if others else ""), file=sys.stderr, flush=True)
             with open(os.path.join(self.args.out, "join_address"), "w") as f:
                 f.write(address + "\n")
 

@@ -30,7 +30,7 @@ from typing import Callable, Optional, Union
 from . import protocol
 from .protocol import Header, Message, MessageBuffer
 
-__all__ = ["PeerLost", "JoinRequest", "join_identity", "ServerLost", "ServerEnd", "RankEnd", "MPIServerEnd", "MPIRankEnd",
+__all__ = ["PeerLost", "StalePeer", "JoinRequest", "join_identity", "rank_identity", "ServerLost", "ServerEnd", "RankEnd", "MPIServerEnd", "MPIRankEnd",
            "ZmqServerEnd", "ZmqRankEnd", "advertised_hosts", "pick_host", "open_ends"]
 
 
@@ -40,6 +40,15 @@ class PeerLost:
 
     rank: int
     why: str
+
+
+@dataclass(frozen=True)
+class StalePeer:
+    """A message from a process whose rank's slot now belongs to another connection (it was
+    dropped as lost, and a replacement took the slot): answer it at `peer` that it is out."""
+
+    peer: bytes
+    rank: int
 
 
 @dataclass(frozen=True)
@@ -55,6 +64,12 @@ def join_identity() -> bytes:
     return b"ashl-join-%d-%s" % (os.getpid(), os.urandom(4).hex().encode())
 
 
+def rank_identity(rank: int) -> bytes:
+    """A rank's identity: its rank and a nonce, so that a dropped process and the
+    replacement in its slot are never taken for one another."""
+    return b"ashl-rank-%d-%s" % (rank, os.urandom(6).hex().encode())
+
+
 class ServerLost(RuntimeError):
     """A rank's end lost the parameter server."""
 
@@ -64,10 +79,15 @@ class ServerEnd:
 
     fault_tolerant = False
 
-    def poll(self, timeout_s: float) -> Union[Message, PeerLost, None]:
-        """The next commit, or a lost peer, or None after `timeout_s` of nothing; a malformed
-        message raises protocol.ProtocolError (it is consumed, the stream stays in step)."""
+    def poll(self, timeout_s: float) -> Union[Message, PeerLost, JoinRequest, StalePeer, None]:
+        """The next commit, a lost peer, a replacement's JOIN or a stale peer's message, or None
+        after `timeout_s` of nothing; a malformed message raises protocol.ProtocolError (it is
+        consumed, the stream stays in step)."""
         raise NotImplementedError
+
+    def assign(self, rank: int, identity: bytes) -> None:
+        """From now on rank `rank` is the connection that calls itself `identity`."""
+        raise NotImplementedError(f"{type(self).__name__} has no replacements")
 
     def send(self, dest: int, header: Header, payload=None) -> bool:
         """Send one message to rank `dest`; False if that rank is gone."""
@@ -139,14 +159,12 @@ class MPIRankEnd(RankEnd):
 
 # ------------------------------------------------------------------------ ZeroMQ
 
-def _identity(rank: int) -> bytes:
-    return b"ashl-rank-%d" % rank
-
-
 def _rank_of(identity: bytes) -> Optional[int]:
+    """The rank a rank_identity names (None for any other identity)."""
     prefix = b"ashl-rank-"
-    if identity.startswith(prefix) and identity[len(prefix):].isdigit():
-        return int(identity[len(prefix):])
+    number = identity[len(prefix):].split(b"-", 1)[0]
+    if identity.startswith(prefix) and number.isdigit():
+        return int(number)
     return None
 
 
@@ -157,6 +175,8 @@ def _heartbeats(sock, heartbeat_s: float, timeout_s: float) -> None:
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, int(timeout_s * 1000)))
     sock.setsockopt(zmq.SNDHWM, 0)   # never drop a reply or a commit
     sock.setsockopt(zmq.RCVHWM, 0)
+    # data unacknowledged this long (a host cut off) closes the connection at the TCP level
+    sock.setsockopt(zmq.TCP_MAXRT, max(1, int(timeout_s * 1000)))
 
 
 _CHUNK = 8 << 20   # payload frames: libzmq allocates each received frame, and an allocation
@@ -184,19 +204,21 @@ def _recv_frames(sock, buffer: MessageBuffer) -> int:
     return head + off
 
 
-def _send_parts(sock, prefix: list, header: Header, payload, wait: bool) -> None:
+def _send_parts(sock, prefix: list, header: Header, payload, wait: Optional[float]) -> bool:
     """Header frame, then the payload in frames of at most _CHUNK bytes, without copying.
-    With `wait`, returns once ZeroMQ has let go of the payload (written out, or dropped with a
-    gone peer), so the caller may change it, as after MPI_Send: the server, whose replies
-    carry the global model it keeps merging into. A rank does not wait (its commit may sit
-    queued for a server that is gone, and a DEALER queues for ever): it reuses its send
-    buffer only after the reply, which the server sends once it has the whole commit."""
+    With `wait` (seconds), returns once ZeroMQ has let go of the payload (written out, or
+    dropped with a gone peer), so the caller may change it, as after MPI_Send: the server,
+    whose replies carry the global model it keeps merging into; False if that took longer
+    (a peer that stopped reading: it is lost, what it receives does not matter). A rank does
+    not wait (its commit may sit queued for a server that is gone, and a DEALER queues for
+    ever): it reuses its send buffer only after the reply, which the server sends once it
+    has the whole commit."""
     import zmq
     head = protocol.encode(header)
     want = header.payload_nbytes
     if want == 0:
         sock.send_multipart(prefix + [head])
-        return
+        return True
     if payload is None:
         raise ValueError(f"{protocol.Kind(header.kind).name} needs a {want}-byte payload")
     body = protocol._as_bytes(payload)
@@ -207,9 +229,14 @@ def _send_parts(sock, prefix: list, header: Header, payload, wait: bool) -> None
         sock.send(part, zmq.SNDMORE)
     # every chunk zero-copy and tracked (a small one would be copied, its tracker done at once)
     trackers = [sock.send(chunk, 0 if i == len(chunks) - 1 else zmq.SNDMORE, copy=False,
-                          track=wait) for i, chunk in enumerate(chunks)]
-    for tracker in trackers if wait else ():
-        tracker.wait()
+                          track=wait is not None) for i, chunk in enumerate(chunks)]
+    deadline = time.monotonic() + (wait or 0.0)
+    for tracker in trackers if wait is not None else ():
+        try:
+            tracker.wait(max(1e-3, deadline - time.monotonic()))
+        except zmq.NotDone:
+            return False
+    return True
 
 
 class ZmqServerEnd(ServerEnd):
@@ -232,7 +259,9 @@ class ZmqServerEnd(ServerEnd):
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
         self.poller.register(self.monitor, zmq.POLLIN)
-        self.fd_rank: dict[int, int] = {}   # connection -> the rank whose messages it carries
+        self.owner: dict[int, bytes] = {}          # rank -> the identity that is that rank
+        self.fd_identity: dict[int, bytes] = {}    # connection -> who speaks through it
+        self.lost: list[PeerLost] = []             # disconnects seen, not yet returned
         if port:
             self.sock.bind(f"tcp://*:{port}")
             self.port = port
@@ -242,14 +271,11 @@ class ZmqServerEnd(ServerEnd):
 
     def poll(self, timeout_s: float):
         import zmq
-        from zmq.utils.monitor import recv_monitor_message
         ready = dict(self.poller.poll(int(max(0.0, timeout_s) * 1000)))
         if self.monitor in ready:
-            event = recv_monitor_message(self.monitor)
-            rank = self.fd_rank.pop(event["value"], None)
-            if event["event"] == zmq.EVENT_DISCONNECTED and rank is not None:
-                return PeerLost(rank, "its connection closed (the process died, or was silent "
-                                "past the heartbeat timeout)")
+            self._disconnects()
+        if self.lost:
+            return self.lost.pop(0)
         if self.sock not in ready:
             return None
         frame = self.sock.recv(copy=False)
@@ -263,21 +289,43 @@ class ZmqServerEnd(ServerEnd):
             return JoinRequest(identity, message)
         if rank is None or not 0 <= rank < self.world_size:
             raise protocol.ProtocolError("rank", f"a message from unknown peer {identity[:32]!r}")
-        self.fd_rank[frame.get(zmq.SRCFD)] = rank
-        return protocol.received(self.buffer, count, rank, world_size=self.world_size,
-                                 model_numel=self.model_numel)
+        if self.owner.setdefault(rank, identity) != identity:
+            return StalePeer(identity, rank)
+        self.fd_identity[frame.get(zmq.SRCFD)] = identity
+        message = protocol.received(self.buffer, count, rank, world_size=self.world_size,
+                                    model_numel=self.model_numel)
+        return None if message.header.kind == protocol.Kind.HELLO else message
+
+    def _disconnects(self) -> None:
+        """Every disconnect the monitor has queued; those of a rank's own connection are
+        PeerLost (a stale or a replacement's join connection is nobody's loss)."""
+        import zmq
+        from zmq.utils.monitor import recv_monitor_message
+        while self.monitor.poll(0):
+            event = recv_monitor_message(self.monitor)
+            identity = self.fd_identity.pop(event["value"], None)
+            rank = None if identity is None else _rank_of(identity)
+            if event["event"] == zmq.EVENT_DISCONNECTED and rank is not None \
+                    and self.owner.get(rank) == identity:
+                self.lost.append(PeerLost(rank, "its connection closed (the process died, or "
+                                                "was silent past the heartbeat timeout)"))
+
+    def assign(self, rank: int, identity: bytes) -> None:
+        self.owner[rank] = identity
 
     def send(self, dest: "int | bytes", header: Header, payload=None) -> bool:
-        """To rank `dest`, or to a replacement's identity (bytes)."""
+        """To rank `dest`, or to a peer's identity (bytes); False if it is gone, never
+        connected, or stopped reading for timeout_s."""
         import zmq
-        peer = dest if isinstance(dest, bytes) else _identity(dest)
+        peer = dest if isinstance(dest, bytes) else self.owner.get(dest)
+        if peer is None:
+            return False
         try:
-            _send_parts(self.sock, [peer], header, payload, wait=True)
+            return _send_parts(self.sock, [peer], header, payload, wait=self.timeout_s)
         except zmq.ZMQError as exc:
             if exc.errno == zmq.EHOSTUNREACH:
                 return False
             raise
-        return True
 
     def close(self) -> None:
         # Linger: the final messages may still be queued; a gone peer cannot hold it longer.
@@ -294,25 +342,31 @@ class ZmqRankEnd(RankEnd):
 
     def __init__(self, endpoint: str, rank: int, model_numel: int, *, world_size: int,
                  server_rank: Optional[int], heartbeat_s: float = 0.5, timeout_s: float = 5.0,
-                 identity: Optional[bytes] = None):
-        """`server_rank` None: not known yet (a replacement), any sender rank is taken."""
+                 identity: Optional[bytes] = None,
+                 server_error: Callable[[], Optional[BaseException]] = lambda: None):
+        """`server_rank` None: not known yet (a replacement), any sender rank is taken.
+        `server_error`: the server thread of this process, if it failed."""
         import zmq
         self.endpoint, self.model_numel = endpoint, model_numel
         self.world_size, self.server_rank = world_size, server_rank
-        self.timeout_s = timeout_s
+        self.timeout_s, self.server_error = timeout_s, server_error
+        identity = identity or rank_identity(rank)
         self.context = zmq.Context(io_threads=1)
         self.sock = self.context.socket(zmq.DEALER)
         _heartbeats(self.sock, heartbeat_s, timeout_s)
-        self.sock.setsockopt(zmq.ROUTING_ID, identity or _identity(rank))
+        self.sock.setsockopt(zmq.ROUTING_ID, identity)
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         self.connected = False
         self.sock.connect(endpoint)
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
         self.poller.register(self.monitor, zmq.POLLIN)
+        if _rank_of(identity) is not None:
+            # at once: the server knows this connection is this rank before its first commit
+            self.send(Header(kind=protocol.Kind.HELLO, rank=rank))
 
     def send(self, header: Header, payload=None) -> None:
-        _send_parts(self.sock, [], header, payload, wait=False)
+        _send_parts(self.sock, [], header, payload, wait=None)
 
     def recv(self, buffer: MessageBuffer) -> Message:
         import zmq
@@ -330,6 +384,9 @@ class ZmqRankEnd(RankEnd):
                 if event == zmq.EVENT_DISCONNECTED:
                     lost_at = lost_at or time.monotonic()
                 self.connected = self.connected or event == zmq.EVENT_CONNECTED
+            error = self.server_error()
+            if error is not None:
+                raise ServerLost("the parameter server failed") from error
             now = time.monotonic()
             where = (self.endpoint if self.server_rank is None
                      else f"rank {self.server_rank}, {self.endpoint}")
@@ -359,20 +416,34 @@ def advertised_hosts() -> list[str]:
     return sorted(found, key=lambda a: a.startswith("127.")) or ["127.0.0.1"]
 
 
-def pick_host(server_hosts: list[str]) -> str:
-    """Which of the server's addresses this rank connects to: loopback when the server is on
-    this host (it has one of our addresses), else one on a subnet of this host's own
-    interfaces, else the first. ASHL_SERVER_HOST overrides (a cluster whose routing this
-    cannot guess)."""
+def host_identity() -> str:
+    """Who shares this process's loopback: the same kernel (its boot id) and the same network
+    namespace (an emulated host, a container). Equal addresses prove nothing: every host with
+    Docker has 172.17.0.1."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}:{os.stat('/proc/self/ns/net').st_ino}"
+    except OSError:
+        return f"{socket.gethostname()}:{os.getpid()}"   # unknown: never taken for the same
+
+
+def pick_host(server_hosts: list[str], server_identity: Optional[str] = None) -> str:
+    """Which of the server's addresses this rank connects to: loopback when the server
+    shares this host's loopback (`server_identity` == host_identity()), else one on a subnet
+    of this host's own interfaces, else the first. ASHL_SERVER_HOST overrides (a cluster
+    whose routing this cannot guess)."""
     if os.environ.get("ASHL_SERVER_HOST"):
         return os.environ["ASHL_SERVER_HOST"]
     import ipaddress
     import psutil
-    own = [a for addrs in psutil.net_if_addrs().values() for a in addrs
-           if a.family == socket.AF_INET and not a.address.startswith("127.")]
-    if any(a.address in server_hosts for a in own) or not any(
+    if server_identity == host_identity() or not any(
             not h.startswith("127.") for h in server_hosts):
         return "127.0.0.1"
+    own = [a for addrs in psutil.net_if_addrs().values() for a in addrs
+           if a.family == socket.AF_INET and not a.address.startswith("127.")]
+    # an address this host has too (docker0's 172.17.0.1 on every host) leads back here
+    server_hosts = [h for h in server_hosts if h not in {a.address for a in own}] or server_hosts
     nets = [ipaddress.ip_interface(f"{a.address}/{a.netmask}").network for a in own if a.netmask]
     for host in server_hosts:
         if any(ipaddress.ip_address(host) in net for net in nets):
@@ -402,9 +473,10 @@ def open_ends(comm, server_rank: int, model_numel: int, *, fault_tolerant: bool,
     if rank == server_rank:
         server = ZmqServerEnd(size, model_numel, heartbeat_s=heartbeat_s, timeout_s=timeout_s,
                               port=int(os.environ.get("ASHL_SERVER_PORT", "0")))
-        where = {"hosts": advertised_hosts(), "port": server.port}
+        where = {"hosts": advertised_hosts(), "port": server.port, "host": host_identity()}
     where = comm.bcast(where, root=server_rank)
-    host = "127.0.0.1" if rank == server_rank else pick_host(where["hosts"])
+    host = "127.0.0.1" if rank == server_rank else pick_host(where["hosts"], where["host"])
     end = ZmqRankEnd(f"tcp://{host}:{where['port']}", rank, model_numel, world_size=size,
-                     server_rank=server_rank, heartbeat_s=heartbeat_s, timeout_s=timeout_s)
+                     server_rank=server_rank, heartbeat_s=heartbeat_s, timeout_s=timeout_s,
+                     server_error=server_error)
     return server, end

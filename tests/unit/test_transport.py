@@ -410,7 +410,8 @@ def test_a_replacement_can_join_a_server_that_is_not_on_rank_0(ends):
 def test_join_identities_are_unique_and_never_a_rank():
     a, b = transport.join_identity(), transport.join_identity()
     assert a != b and a.startswith(b"ashl-join-") and transport._rank_of(a) is None
-    assert transport._rank_of(transport._identity(12)) == 12
+    assert transport._rank_of(transport.rank_identity(12)) == 12
+    assert transport.rank_identity(12) != transport.rank_identity(12)   # a nonce each
 
 
 # ----------------------------------------------------------------------- pick_host
@@ -437,22 +438,32 @@ def no_override(monkeypatch):
 def test_ashl_server_host_overrides(monkeypatch):
     fake_interfaces(monkeypatch, ("10.1.2.3", "255.255.0.0"))
     monkeypatch.setenv("ASHL_SERVER_HOST", "head-node.example")
-    assert transport.pick_host(["10.1.2.3", "127.0.0.1"]) == "head-node.example"
+    assert transport.pick_host(["10.1.2.3", "127.0.0.1"], transport.host_identity()) \
+        == "head-node.example"
     monkeypatch.setenv("ASHL_SERVER_HOST", "")            # empty: not set
-    assert transport.pick_host(["10.1.2.3"]) == "127.0.0.1"
+    assert transport.pick_host(["10.1.2.3"], transport.host_identity()) == "127.0.0.1"
 
 
-@pytest.mark.parametrize("hosts,expected", [
-    (["10.1.2.3", "127.0.0.1"], "127.0.0.1"),       # the server is on this host
-    (["192.168.7.7", "10.1.2.3"], "127.0.0.1"),     # ... whichever of its addresses is ours
-    (["127.0.0.1"], "127.0.0.1"),                  # only loopback
-    (["127.0.1.1", "127.0.0.1"], "127.0.0.1"),
-    (["192.168.7.7", "10.1.9.9", "127.0.0.1"], "10.1.9.9"),   # on one of our subnets
-    (["192.168.7.7", "172.16.0.1"], "192.168.7.7"),            # else the first
-], ids=["ours", "ours second", "loopback", "loopbacks", "subnet", "first"])
-def test_pick_host(monkeypatch, no_override, hosts, expected):
-    fake_interfaces(monkeypatch, ("10.1.2.3", "255.255.0.0"))
-    assert transport.pick_host(hosts) == expected
+OTHER_HOST = "another-boot-id:4026531840"
+
+
+@pytest.mark.parametrize("hosts,server,expected", [
+    (["10.1.2.3", "127.0.0.1"], "here", "127.0.0.1"),     # the server shares our loopback
+    (["172.17.0.1", "10.1.9.9"], OTHER_HOST, "10.1.9.9"),  # an address we also have (docker0)
+    (["127.0.0.1"], OTHER_HOST, "127.0.0.1"),              # only loopback
+    (["127.0.1.1", "127.0.0.1"], OTHER_HOST, "127.0.0.1"),
+    (["192.168.7.7", "10.1.9.9", "127.0.0.1"], OTHER_HOST, "10.1.9.9"),   # on one of our subnets
+    (["192.168.7.7", "172.16.0.1"], OTHER_HOST, "192.168.7.7"),           # else the first
+], ids=["same host", "same address, other host", "loopback", "loopbacks", "subnet", "first"])
+def test_pick_host(monkeypatch, no_override, hosts, server, expected):
+    fake_interfaces(monkeypatch, ("10.1.2.3", "255.255.0.0"), ("172.17.0.1", "255.255.0.0"))
+    server = transport.host_identity() if server == "here" else server
+    assert transport.pick_host(hosts, server) == expected
+
+
+def test_the_host_identity_tells_network_namespaces_apart():
+    here = transport.host_identity()
+    assert here == transport.host_identity() and ":" in here
 
 
 def test_advertised_hosts_put_loopback_last(monkeypatch):

@@ -323,11 +323,10 @@ class AdspStrategy(PSBaseline):
         self.last_commit_s = now - t0
         self._last_commit_end = now
 
-    def _absorb(self, reply, final: bool) -> None:
-        """A worker takes the scheduler's c_target from the reply to its commit."""
-        super()._absorb(reply, final)
-        if not self.is_server and reply.commit_rate > 0:
-            self.c_target = reply.commit_rate
+    def take_commit_rate(self, rate: int) -> None:
+        """A worker takes the scheduler's c_target from the replies to its commits."""
+        if not self.is_server and rate > 0:
+            self.c_target = rate
 
     def plan_for_survivors(self, profiles):
         """W += U_i / M over the M workers left."""

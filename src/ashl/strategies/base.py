@@ -169,6 +169,7 @@ class Strategy:
         self.timeline = Timeline(self.rank)
         self._round_wall = time.time()
         # Emulated hardware (tests, benchmarks): explicit, else ASHL_EMULATE_* variables.
+        self.emulated_from_env = heterogeneity is None
         self.hetero = (heterogeneity if heterogeneity is not None
                        else Heterogeneity.from_env(self.rank))
         self.slowdown = self.hetero.slowdown()
@@ -386,6 +387,12 @@ class Strategy:
                                   "load the model and optimizer state_dict as with plain Horovod")
 
     # ---------------------------------------------------------------- shared mechanics
+    def clear_optimizer_state(self) -> None:
+        """Forget the optimizer's state (momentum), as for a fresh start of training."""
+        state = getattr(self.optimizer, "state", None)
+        if state is not None:
+            state.clear()
+
     def clear_nonfinite_optimizer_state(self) -> int:
         """After a rejected (NaN/Inf) delta the parameters come back from the global model,
         but momentum and similar buffers would re-poison them: zero every optimizer state

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 import statistics
 import time
@@ -26,7 +25,8 @@ import torch
 from .. import checkpoint, kernels
 from ..client import Commit, Reply, ServerClient
 from ..compression import Compression, Compressor, Residual, check_compression
-from ..coordinator import DriftConfig, MPICoordinator
+from ..coordinator import DriftConfig, MPICoordinator, positive_seconds
+from ..emulation import Heterogeneity
 from ..outer import make_outer
 from ..outer_spec import parse_outer, resolve_outer
 from ..planner import Plan, PlannerConfig, make_plan
@@ -41,18 +41,36 @@ from .runtime import world_comm
 log = logging.getLogger("ashl")
 
 JOIN_ENV = "ASHL_JOIN"    # tcp://host:port of a fault-tolerant run's server: join it
-STARTUP_TIMEOUT_S = 120.0  # fault-tolerant runs: profiling and planning end within this
-                           # (or 20 fault timeouts), else a rank was lost before training
+STARTUP_TIMEOUT_S = 600.0  # fault-tolerant runs: profiling and planning end within this
+                           # (or 60 fault timeouts), else a rank was lost before training
+HUNG_TIMEOUTS = 6          # a live but hung rank: silent 6 fault timeouts (or 3 of its rounds)
 
 
 def check_fault_tolerance(fault_tolerant, timeout_s) -> bool:
     """fault_tolerant= must be a bool and fault_timeout_s= a number of seconds > 0."""
     if not isinstance(fault_tolerant, bool):
         raise ValueError(f"fault_tolerant must be True or False, got {fault_tolerant!r}")
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) \
-            or not math.isfinite(timeout_s) or timeout_s <= 0:
+    if not positive_seconds(timeout_s):
         raise ValueError(f"fault_timeout_s must be a number of seconds > 0, got {timeout_s!r}")
     return fault_tolerant
+
+
+def join_endpoint(fault_tolerant: bool) -> Optional[str]:
+    """ASHL_JOIN's endpoint when this process is a replacement: only for a fault-tolerant
+    optimizer in a process launched alone (a leftover variable must not turn a job's ranks
+    into replacements)."""
+    join = os.environ.get(JOIN_ENV) or None
+    if join is None:
+        return None
+    if not fault_tolerant:
+        raise ValueError(f"{JOIN_ENV}={join} is set: a replacement joins a fault-tolerant run; "
+                         "pass fault_tolerant=True, or unset it")
+    from mpi4py import MPI
+    if MPI.COMM_WORLD.Get_size() > 1:
+        raise ValueError(f"{JOIN_ENV}={join} is set, but this process is one of "
+                         f"{MPI.COMM_WORLD.Get_size()} ranks of its own launch: a replacement "
+                         f"starts alone (unset {JOIN_ENV} for the run's ranks)")
+    return join
 
 
 class ServerStrategy(Strategy):
@@ -71,9 +89,11 @@ class ServerStrategy(Strategy):
                  evaluate=None, eval_every_s: float = 2.0, poll_s: float = 2e-4,
                  heterogeneity=None, profile_steps: int = 10, fault_tolerant: bool = False,
                  fault_timeout_s: float = 5.0, startup_timeout_s: Optional[float] = None):
+        self.fault_tolerant = check_fault_tolerance(fault_tolerant, fault_timeout_s)
+        self.fault_timeout_s = float(fault_timeout_s)
         # A replacement for a lost rank (ASHL_JOIN=tcp://host:port) starts alone and takes
         # the slot, size and server rank the run's server gives it (_join).
-        self.join = os.environ.get(JOIN_ENV) or None
+        self.join = join_endpoint(self.fault_tolerant)
         world = world_comm(comm, alone=self.join is not None)
         super().__init__(model, params, comm=world, sampler=sampler, heterogeneity=heterogeneity,
                          evaluate=evaluate, eval_every_s=eval_every_s,
@@ -88,13 +108,12 @@ class ServerStrategy(Strategy):
                              "buffers: what top-k does not send is kept for the next commit "
                              "(error feedback) in fp32; this model has "
                              f"{sorted({str(t.dtype) for t in self.tensors})}")
-        self.fault_tolerant = check_fault_tolerance(fault_tolerant or self.join is not None,
-                                                    fault_timeout_s)
-        self.fault_timeout_s = float(fault_timeout_s)
-        self.startup_timeout_s = (max(STARTUP_TIMEOUT_S, 20 * self.fault_timeout_s)
+        self.startup_timeout_s = (max(STARTUP_TIMEOUT_S, 60 * self.fault_timeout_s)
                                   if startup_timeout_s is None else float(startup_timeout_s))
-        self.mc = MPICoordinator(world, root=server_rank, planner_config=planner_config,
-                                 stage_config=stage_config, drift_config=drift_config)
+        self.planner_config = planner_config or PlannerConfig()
+        self.mc = MPICoordinator(world, root=0 if self.join else server_rank,
+                                 planner_config=self.planner_config, stage_config=stage_config,
+                                 drift_config=drift_config)
         if self.is_server:
             self.mc.coordinator.plan_for = self.plan_for_survivors
         self.wire = world.Dup()              # commits and replies: a tag space of their own
@@ -130,6 +149,14 @@ class ServerStrategy(Strategy):
         if not (self.is_server and self.fault_tolerant):
             return None
         return f"tcp://{advertised_hosts()[0]}:{self.server_end.port}"
+
+    @property
+    def join_addresses(self) -> list[str]:
+        """Every address of the server's host a replacement may use (the first is
+        join_address; a host with several networks needs the one the replacement can reach)."""
+        if self.join_address is None:
+            return []
+        return [f"tcp://{h}:{self.server_end.port}" for h in advertised_hosts()]
 
     @property
     def lost_ranks(self) -> list[dict]:
@@ -171,10 +198,13 @@ class ServerStrategy(Strategy):
     def _server_error(self) -> Optional[BaseException]:
         return None if self.server is None else self.server.error
 
+    def take_commit_rate(self, rate: int) -> None:
+        """A reply's commit-rate target (adsp's scheduler; 0: none)."""
+
     def plan_for_survivors(self, profiles) -> Plan:
         """The plan of a subset of the ranks (the survivors of a lost one), index j = the
         j-th survivor: profiled ranks re-plan from their profiles."""
-        return make_plan(profiles, self.mc.coordinator.planner_config)
+        return make_plan(profiles, self.planner_config)
 
     # ----------------------------------------------------------------------- the round
     def _start(self) -> None:
@@ -213,10 +243,18 @@ class ServerStrategy(Strategy):
         self.timeline.rank = self.rank
         self.client.end.close()
         self.client.end = ZmqRankEnd(self.join, self.rank, self.numel, world_size=self.size,
-                                     server_rank=self.server_rank, timeout_s=self.fault_timeout_s)
+                                     server_rank=self.server_rank, timeout_s=self.fault_timeout_s,
+                                     identity=info["identity"].encode())
         self.client.rank = self.rank
+        if self.emulated_from_env:     # the slot's emulated speed, as its launched rank had
+            self.hetero = self.client.hetero = Heterogeneity.from_env(self.rank)
+            self.slowdown = self.hetero.slowdown()
         kernels.unpack_assign(self.tensors, self.anchors, reply.model)
+        self.clear_optimizer_state()   # its first steps' momentum was for another model
+        self.round_steps = 0           # and those steps are not the slot's
+        self.clock.new_round()
         self.version, self.stage = reply.version, reply.stage
+        self.take_commit_rate(reply.commit_rate)
         self.mc.plan = reply.plan
         if hasattr(self.sampler, "rebind"):
             self.sampler.rebind(self.rank, self.size)
@@ -231,10 +269,13 @@ class ServerStrategy(Strategy):
         server = ParameterServer(model, self.size, self.mc.coordinator, rank=self.rank,
                                  staleness=self.staleness, bound=self.bound,
                                  downlink=self.downlink, outer=outer,
-                                 silence_s=self.fault_timeout_s if self.fault_tolerant else None)
+                                 silence_s=HUNG_TIMEOUTS * self.fault_timeout_s
+                                 if self.fault_tolerant else None, strategy=self.name)
         self.server = ServerThread(server, self.server_end, lock=self.mc.lock)
 
     def _exchange(self, final: bool = False) -> None:
+        if self.round_steps == 0 and not final:
+            return      # a replacement that has just joined: nothing of its own to commit
         start = time.time()
         stage, steps = self.stage, self.round_steps
         payload = self._pack(self.compressor())
@@ -277,6 +318,7 @@ class ServerStrategy(Strategy):
                         "global model", self.rank, self.commits - 1)
         self.version = reply.version
         self.dropped = reply.dropped
+        self.take_commit_rate(reply.commit_rate)
         # A rank's own last commit is answered with STOP too: that is not a reason.
         self._follow(Stage.DONE if reply.stop else reply.stage,
                      "the server had dropped this rank as lost" if reply.dropped
@@ -402,6 +444,12 @@ class ServerStrategy(Strategy):
     def _start_from_checkpoint(self) -> None:
         run, self._resume = self._resume, None
         plan = Plan.from_dict(run["plan"])
+        if any(h == 0 for h in plan.ahl.local_steps + plan.shl.local_steps):
+            # saved while a lost rank's slot was vacant: every rank is back, plan them all
+            # (the same on every rank: the strategy's planner is pure)
+            plan = dataclasses.replace(self.plan_for_survivors(list(plan.profiles)),
+                                       version=plan.version + 1,
+                                       reason="resumed with every rank back")
         stage = Stage(run["stage"])
         stage = stage if stage.training else Stage.SHL
         if self.is_server:

@@ -85,7 +85,20 @@ def _at_exit() -> None:
     tolerant = [o._ashl for o in real if o._ashl.fault_tolerant]
     if tolerant:
         lost = sorted({x["rank"] for s in tolerant for x in s.lost_ranks})
-        exit_without_finalize(LOST_RANKS_STATUS if lost else 0, tolerant[0], lost)
+        dropped = any(getattr(s, "dropped", False) for s in tolerant)
+        exit_without_finalize(_failure_status() or (LOST_RANKS_STATUS if lost or dropped else 0),
+                              tolerant[0], lost)
+
+
+def _failure_status() -> int:
+    """The status of what is ending the interpreter, if it is a failure (0 if none): an
+    uncaught exception is 1, sys.exit(n) is n."""
+    if not _failure:
+        return 0
+    why = _failure[0]
+    if isinstance(why, SystemExit):
+        return why.code if isinstance(why.code, int) and why.code > 0 else 1
+    return 1
 
 
 def _leave(live: list) -> None:
@@ -98,8 +111,7 @@ def _leave(live: list) -> None:
     if _failure:
         why = _failure[0]
         if isinstance(why, SystemExit):
-            code = why.code if isinstance(why.code, int) and why.code > 0 else 1
-            _abort(live[0], f"sys.exit({why.code!r})", code)
+            _abort(live[0], f"sys.exit({why.code!r})", _failure_status())
         _abort(live[0], f"an uncaught {type(why).__name__}: {why}")
     for optimizer in reversed(live):
         try:
