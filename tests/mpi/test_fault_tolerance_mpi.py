@@ -127,7 +127,7 @@ def test_a_users_script_loses_a_worker_killed_in_the_middle_of_its_commit(tmp_pa
 def test_a_worker_lost_while_profiling_ends_the_job_instead_of_hanging_it(tmp_path):
     """Profiling is collective: the others cannot go on without the lost rank, and must not
     wait for it for ever either."""
-    job = Job(tmp_path, 4, "--die-at-step", 2, "--startup-timeout", 10,
+    job = Job(tmp_path, 4, "--die-at-step", 2, "--startup-timeout", 20,
               script=Path(__file__).parent / "ft_script.py")
     rc = job.finish(90)
     text = job.text()

@@ -6,6 +6,7 @@ tests/unit/test_transport.py."""
 
 import json
 import math
+import subprocess
 from fractions import Fraction
 
 import pytest
@@ -856,3 +857,29 @@ def test_distributed_optimizer_refuses_fault_tolerant_before_it_starts(strategy)
     with pytest.raises(ValueError, match=f"strategy {strategy!r} is synchronous"):
         ashl.DistributedOptimizer(opt, model=model, strategy=strategy, fault_tolerant=True,
                                   comm=object(), hvd=object())
+
+
+def test_the_run_is_settled_once_every_rank_left_or_was_declared_lost():
+    assert not run.settled({})
+    assert not run.settled({0: record(0, 3, lost=[1])})             # rank 2 still runs
+    assert run.settled({0: record(0, 3, lost=[1]), 2: record(2, 3, lost=[1])})
+    assert run.settled({r: record(r) for r in range(3)})
+
+
+def test_an_earlier_jobs_statuses_are_cleared(tmp_path, monkeypatch):
+    monkeypatch.setenv(run.ENV, str(tmp_path))
+    run.write_status(1, 3, 0, [])
+    (tmp_path / "notes.txt").write_text("kept")
+    run.clear_statuses(str(tmp_path))
+    assert run.read_statuses(str(tmp_path)) == {} and (tmp_path / "notes.txt").exists()
+
+
+def test_a_launcher_left_waiting_after_the_run_settled_is_ended(tmp_path, monkeypatch):
+    """mpirun waiting for ever for a cut-off host's daemon: ashl.run ends it after --grace."""
+    import sys
+    monkeypatch.setenv(run.ENV, str(tmp_path))
+    for r in (0, 1):
+        run.write_status(r, 3, LOST_RANKS_STATUS, [2])
+    waiting = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    launcher, note = run._wait(waiting, str(tmp_path), grace_s=0.2)
+    assert launcher == 0 and "it was ended" in note and waiting.poll() is not None

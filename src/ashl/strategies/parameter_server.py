@@ -95,6 +95,14 @@ class ServerStrategy(Strategy):
         # the slot, size and server rank the run's server gives it (_join).
         self.join = join_endpoint(self.fault_tolerant)
         world = world_comm(comm, alone=self.join is not None)
+        # Until the plan, every rank meets the others in collectives: one lost there would
+        # leave them waiting for ever. A watchdog ends the job instead (cancelled in _plan).
+        self.startup_timeout_s = (max(STARTUP_TIMEOUT_S, 60 * self.fault_timeout_s)
+                                  if startup_timeout_s is None else float(startup_timeout_s))
+        self._watchdog = (start_watchdog(world.Get_rank(), world.Get_size(),
+                                         self.startup_timeout_s)
+                          if self.fault_tolerant and self.join is None
+                          and type(world).__module__.startswith("mpi4py") else None)
         super().__init__(model, params, comm=world, sampler=sampler, heterogeneity=heterogeneity,
                          evaluate=evaluate, eval_every_s=eval_every_s,
                          control_rank=0 if self.join else server_rank,
@@ -108,8 +116,6 @@ class ServerStrategy(Strategy):
                              "buffers: what top-k does not send is kept for the next commit "
                              "(error feedback) in fp32; this model has "
                              f"{sorted({str(t.dtype) for t in self.tensors})}")
-        self.startup_timeout_s = (max(STARTUP_TIMEOUT_S, 60 * self.fault_timeout_s)
-                                  if startup_timeout_s is None else float(startup_timeout_s))
         self.planner_config = planner_config or PlannerConfig()
         self.mc = MPICoordinator(world, root=0 if self.join else server_rank,
                                  planner_config=self.planner_config, stage_config=stage_config,
@@ -218,14 +224,14 @@ class ServerStrategy(Strategy):
         if self.join is not None:
             self.planned = True
             self._join()
-        elif self.fault_tolerant:
-            # Profiling is collective: a rank lost before the plan would leave the others
-            # waiting in it for ever (Open MPI under --enable-recovery), so a watchdog ends
-            # the job if it does not finish in time.
-            with start_watchdog(self.rank, self.size, self.startup_timeout_s):
-                super()._plan()
         else:
             super()._plan()
+        self._started_up()
+
+    def _started_up(self) -> None:
+        """The start-up's collectives are over (the plan, or a checkpoint's resume)."""
+        if self._watchdog is not None:
+            self._watchdog.cancel()
 
     def _join(self) -> None:
         """A replacement, at the end of its timed first steps: ask the run's server for a lost
@@ -462,6 +468,7 @@ class ServerStrategy(Strategy):
         self.version = int(run.get("version", 0))
         self.mc.plan = plan
         self.mc.barrier()   # every rank resumes before anyone commits
+        self._started_up()
         self.planned = True
         self.stage = stage
         self.adopt_plan(plan)

@@ -25,7 +25,6 @@ MPI are still alive.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import logging
 import os
 import sys
@@ -147,15 +146,15 @@ def end_failed_start(exc: BaseException, comm=None) -> None:
     MPI.COMM_WORLD.Abort(1)
 
 
-@contextlib.contextmanager
-def start_watchdog(rank: int, size: int, timeout_s: float):
-    """Within the block, a collective that one lost rank would leave waiting for ever: after
-    `timeout_s` the job ends (MPI_Abort), this rank's failure left for ashl.run first."""
+def start_watchdog(rank: int, size: int, timeout_s: float) -> threading.Timer:
+    """Until it is cancelled, the start-up's collectives, which one lost rank would leave
+    waiting for ever: after `timeout_s` the job ends (MPI_Abort), this rank's failure left
+    for ashl.run first. Returns the running timer (cancel() it when the start-up is done)."""
     def expire():
         from ..run import write_status
         write_status(rank, size, 1, [])
-        print(f"ashl: rank {rank}: the start-up (profiling and the plan) did not finish in "
-              f"{timeout_s:g} s: a rank was lost before training began; ending the job",
+        print(f"ashl: rank {rank}: the start-up (up to profiling and the plan) did not finish "
+              f"in {timeout_s:g} s: a rank was lost before training began; ending the job",
               file=sys.stderr, flush=True)
         from mpi4py import MPI
         MPI.COMM_WORLD.Abort(1)
@@ -163,10 +162,7 @@ def start_watchdog(rank: int, size: int, timeout_s: float):
     timer = threading.Timer(timeout_s, expire)
     timer.daemon = True
     timer.start()
-    try:
-        yield
-    finally:
-        timer.cancel()
+    return timer
 
 
 def exit_without_finalize(status: int, strategy=None, lost=()) -> None:
