@@ -70,6 +70,7 @@ class ServerStats:
         d = dict(self.__dict__)
         d["shl_log"] = [list(x) for x in self.shl_log]
         d["lost"] = [dataclasses.asdict(x) for x in self.lost]
+        d["merged_by"] = list(self.merged_by)   # a copy: the server thread goes on counting
         return d
 
 
