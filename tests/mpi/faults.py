@@ -27,16 +27,21 @@ TRAIN = ("--model", "mlp", "--dataset", "digits", "--compute-slowdown", "1,1,2,4
 class Job:
     """One launched job: its process, its output folder, its ranks' pids."""
 
-    def __init__(self, out: Path, np_: int, *train_args, launcher_args=(), env=None,
+    def __init__(self, out: Path, np_: int, *train_args, launcher="mpirun", env=None,
                  script=None):
         self.out = Path(out)
         self.out.mkdir(parents=True, exist_ok=True)
         program = ([str(script), str(self.out)] if script is not None else
                    ["-m", "ashl.train", "--fault-tolerant", "--out", str(self.out), *TRAIN])
+        launch = {   # the two launch recipes of docs/LAUNCHING.md
+            "mpirun": ["mpirun", "-np", str(np_), "--oversubscribe", "--bind-to", "none",
+                       "--enable-recovery"],
+            "horovodrun": [str(Path(sys.executable).parent / "horovodrun"), "-np", str(np_),
+                           "-H", f"localhost:{np_}",
+                           "--mpi-args=--enable-recovery --oversubscribe --bind-to none"],
+        }[launcher]
         cmd = [sys.executable, "-m", "ashl.run", "--status-dir", str(self.out / "status"),
-               "mpirun", "-np", str(np_), "--oversubscribe", "--bind-to", "none",
-               "--enable-recovery", *launcher_args, sys.executable, *program,
-               *map(str, train_args)]
+               *launch, sys.executable, *program, *map(str, train_args)]
         full_env = mpi_env()
         full_env.update(ENV, **(env or {}))
         self.log = open(self.out / "job.log", "w")

@@ -38,6 +38,15 @@ def test_a_killed_worker_is_dropped_and_the_others_reach_the_target(stage, tmp_p
     assert time.monotonic() - killed_at < 120
 
 
+@pytest.mark.timeout(180)
+def test_horovodrun_with_recovery_loses_a_worker_and_says_so(tmp_path):
+    job = Job(tmp_path, 4, "--max-seconds", "90", launcher="horovodrun")
+    job.wait_for("the first commits", commits_at_least(20))
+    job.kill(1)
+    assert job.finish() == LOST, job.text()[-3000:]
+    check_nothing_merged_is_lost(job, [1])
+
+
 @pytest.mark.timeout(240)
 def test_two_workers_killed_one_after_the_other(tmp_path):
     job = Job(tmp_path, 4, "--max-seconds", "120")
