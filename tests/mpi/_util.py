@@ -76,6 +76,17 @@ def bench(command, *args, timeout=120):
                           capture_output=True, text=True, env=env, timeout=timeout)
 
 
+def check_bad_bench_option(command, args, needle, tmp_path):
+    """`python -m ashl.bench COMMAND ARGS` refuses with status 2, one line naming `needle`,
+    and writes no --json."""
+    out = tmp_path / "bench.json"
+    proc = bench(command, *args, "--json", out, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    line, = proc.stderr.strip().splitlines()
+    assert line.startswith(f"ashl.bench {command}: error:") and needle in line, line
+    assert not out.exists()
+
+
 def horovodrun(*args, timeout=120):
     """horovodrun (this venv's) with `args`; returns the completed process."""
     bin_dir = Path(sys.executable).parent

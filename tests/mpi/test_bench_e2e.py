@@ -59,11 +59,7 @@ def test_homogeneous_scenario_sets_every_factor_to_one(tmp_path):
     (["--target-accuracy", "95"], "--target-accuracy"),
 ])
 def test_bad_options_exit_2_with_one_line(args, needle, tmp_path):
-    proc = bench(*args, "--json", tmp_path / "e.json", timeout=30)
-    assert proc.returncode == 2, proc.stderr
-    line, = proc.stderr.strip().splitlines()
-    assert line.startswith("ashl.bench e2e: error:") and needle in line, line
-    assert not (tmp_path / "e.json").exists()
+    _util.check_bad_bench_option("e2e", args, needle, tmp_path)
 
 
 def fake(strategy, ttt, wall=10.0, status="ok", **kw):

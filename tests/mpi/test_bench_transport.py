@@ -43,11 +43,7 @@ def test_sizes_parse_in_powers_of_1024_and_print_back():
     (["--poll-s", "-1"], "--poll-s"),
 ])
 def test_bad_options_exit_2_with_one_line(args, needle, tmp_path):
-    proc = run_bench(*args, "--json", tmp_path / "t.json", timeout=60)
-    assert proc.returncode == 2, proc.stderr
-    line, = proc.stderr.strip().splitlines()
-    assert line.startswith("ashl.bench transport: error:") and needle in line, line
-    assert not (tmp_path / "t.json").exists()
+    _util.check_bad_bench_option("transport", args, needle, tmp_path)
 
 
 def test_a_failing_launcher_is_reported(tmp_path):
