@@ -97,13 +97,15 @@ def test_an_outer_optimizer_through_both_stages_and_a_resume_keeps_its_momentum(
 
 def test_diloco_checkpoints_its_momentum_and_resumes_from_it(tmp_path):
     ckpt = tmp_path / "run.ckpt"
-    train(3, tmp_path / "first.json", "--strategy", "diloco", "--max-commits", "45",
+    # outer momentum 0.5: DiLoCo's 0.9 diverges on this small job in some runs
+    outer = ("--outer-optimizer", "nesterov(0.7, 0.5)")
+    train(3, tmp_path / "first.json", "--strategy", "diloco", *outer, "--max-commits", "45",
           "--target-accuracy", "0.999", "--checkpoint", ckpt)
     saved = torch.load(ckpt, weights_only=False)
-    assert saved["strategy"] == "diloco" and saved["outer"]["spec"] == "nesterov(0.7, 0.9)"
+    assert saved["strategy"] == "diloco" and saved["outer"]["spec"] == "nesterov(0.7, 0.5)"
     assert saved["outer"]["updates"] > 0 and saved["outer"]["momentum"].abs().sum() > 0
-    second = train(3, tmp_path / "second.json", "--strategy", "diloco", "--resume", ckpt,
-                   "--target-accuracy", "0.9", "--max-seconds", "60")
+    second = train(3, tmp_path / "second.json", "--strategy", "diloco", *outer, "--resume",
+                   ckpt, "--target-accuracy", "0.9", "--max-seconds", "60")
     ranks = second["ranks"]
     assert len({r["resumed_accuracy"] for r in ranks}) == 1     # the same model everywhere
     assert len({r["accuracy"] for r in ranks}) == 1 and ranks[0]["accuracy"] >= 0.9
