@@ -2,9 +2,10 @@
 
 ``ParameterServer`` is the merge rule, the staleness gate and the roll of live ranks, with no
 I/O: it takes a decoded commit (or the news that a rank is gone) and says which replies go
-out now. ``ServerThread`` is the edge: it takes commits from a transport.ServerEnd (MPI, or
-ZeroMQ when the run is fault-tolerant; every rank, the host rank included, commits the same
-way), hands them to the server and sends the replies. The rank's half of the exchange is
+out now. ``ServerThread`` is the edge: it takes commits from a transport.ServerEnd (ZeroMQ,
+the host rank's own over inproc, or MPI; every rank commits through the same ServerEnd),
+hands them to the server, sends the replies, and keeps its own CPU share and each commit's
+latency at the server in ``ServerStats``. The rank's half of the exchange is
 ``client.ServerClient``.
 
 Fault tolerance: a rank whose connection closes or falls silent (the transport says so), or
@@ -464,20 +465,19 @@ class ServerThread:
         if isinstance(event, PeerLost):
             with self.lock:
                 replies = self.server.lose(event.rank, event.why)
-        else:
-            received = time.perf_counter()
-            with self.lock:
-                try:
-                    replies = self.server.handle(event.header, event.payload)
-                except (protocol.ProtocolError, IndexError, ValueError) as exc:
-                    self.server.stats.rejected_invalid += 1
-                    log.error("rank %d: rejected commit %d: %s", event.header.rank,
-                              event.header.commit, exc)
-                    replies = [self.server._reply(event.header.rank, event.header, False)]
             self._send_all(replies)
-            self._time_reply(replies, event.header, received)
             return
+        received = time.perf_counter()
+        with self.lock:
+            try:
+                replies = self.server.handle(event.header, event.payload)
+            except (protocol.ProtocolError, IndexError, ValueError) as exc:
+                self.server.stats.rejected_invalid += 1
+                log.error("rank %d: rejected commit %d: %s", event.header.rank,
+                          event.header.commit, exc)
+                replies = [self.server._reply(event.header.rank, event.header, False)]
         self._send_all(replies)
+        self._time_reply(replies, event.header, received)
 
     def _time_reply(self, replies: list[OutgoingReply], asked: Header, received: float) -> None:
         """The commit's latency at the server, if its reply went out now (not held)."""
