@@ -416,6 +416,9 @@ class ZmqRankEnd(RankEnd):
         self.sock = self.shared.context.socket(zmq.DEALER)
         _heartbeats(self.sock, heartbeat_s, timeout_s)
         self.sock.setsockopt(zmq.ROUTING_ID, identity)
+        # a DEALER with no peer at all blocks in send (inproc, once the server's end closed):
+        # give up every 0.25 s to look at the server thread (send)
+        self.sock.setsockopt(zmq.SNDTIMEO, 250)
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         # an inproc connection is made at once, and has no events
         self.connected = endpoint.startswith("inproc://")
@@ -428,7 +431,17 @@ class ZmqRankEnd(RankEnd):
             self.send(Header(kind=protocol.Kind.HELLO, rank=rank))
 
     def send(self, header: Header, payload=None) -> None:
-        _send_parts(self.sock, [], header, payload, wait=None)
+        import zmq
+        while True:
+            try:
+                return _send_parts(self.sock, [], header, payload, wait=None)
+            except zmq.Again:   # nothing went: no peer to queue for (the first frame blocks)
+                self._check_server()
+
+    def _check_server(self) -> None:
+        error = self.server_error()
+        if error is not None:
+            raise ServerLost("the parameter server failed") from error
 
     def recv(self, buffer: MessageBuffer) -> Message:
         import zmq
@@ -446,9 +459,7 @@ class ZmqRankEnd(RankEnd):
                 if event == zmq.EVENT_DISCONNECTED:
                     lost_at = lost_at or time.monotonic()
                 self.connected = self.connected or event == zmq.EVENT_CONNECTED
-            error = self.server_error()
-            if error is not None:
-                raise ServerLost("the parameter server failed") from error
+            self._check_server()
             now = time.monotonic()
             where = (self.endpoint if self.server_rank is None
                      else f"rank {self.server_rank}, {self.endpoint}")
