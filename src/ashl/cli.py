@@ -235,18 +235,20 @@ def check_fault_tolerant(strategy: str, timeout_s: float) -> None:
 
 
 def add_transport_option(p: argparse.ArgumentParser, default_note: str) -> None:
-    p.add_argument("--transport", default=None, metavar="{" + ",".join(TRANSPORTS) + "}",
+    # not given: absent (SUPPRESS), so the help shows default_note and no "(default: None)"
+    p.add_argument("--transport", default=argparse.SUPPRESS,
+                   metavar="{" + ",".join(TRANSPORTS) + "}",
                    help="how commits reach the parameter server (" + ", ".join(PARAMETER_SERVER)
                         + "): zmq (event-driven, the server rank's own commits in-process) or "
                         "mpi (point-to-point, sleep-polled; for fabrics where MPI is faster, "
-                        f"e.g. RDMA) ({default_note})")
+                        f"e.g. RDMA) (default: {default_note})")
 
 
 def check_transport(transport: Optional[str], strategy: Optional[str] = None,
                     fault_tolerant: bool = False) -> None:
     """--transport: a known one, for a parameter-server strategy (when `strategy` is
     given), zmq when fault-tolerant (OptionError)."""
-    if transport is None:
+    if transport is None:   # not given
         return
     problem = transport_problem(transport, fault_tolerant)
     if problem is None and strategy is not None and strategy not in PARAMETER_SERVER:

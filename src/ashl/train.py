@@ -78,7 +78,7 @@ def build_parser(prog: str = PROG) -> OneLineParser:
     p.add_argument("--fault-timeout", type=float, default=5.0, metavar="S",
                    help="with --fault-tolerant: a worker silent this long (or 3 of its planned "
                         "rounds, whichever is longer) is dropped")
-    add_transport_option(p, "default zmq")
+    add_transport_option(p, "zmq")
     add_checkpoint_options(p)
     p.add_argument("--out", default=os.path.join("out", "train"), help="output directory")
     p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
@@ -122,6 +122,7 @@ def check_options(args: argparse.Namespace) -> argparse.Namespace:
                     f"--outer-optimizer {args.outer_optimizer!r}")
     if args.fault_tolerant:
         check_fault_tolerant(args.strategy, args.fault_timeout)
+    args.transport = getattr(args, "transport", None)   # None: the strategy's default
     check_transport(args.transport, args.strategy, args.fault_tolerant)
     if args.max_seconds is None and args.max_commits is None and args.target_accuracy is None:
         raise OptionError("no stop condition: give --max-seconds, --max-commits or "
@@ -451,7 +452,7 @@ class Run:
             config["outer_optimizer"] = a.outer_optimizer
         if a.fault_tolerant:
             config.update(fault_tolerant=True, fault_timeout_s=a.fault_timeout)
-        if a.transport is not None:
+        if getattr(a, "transport", None) is not None:
             config["transport"] = a.transport
         if self.lead:
             config["evaluate"] = self.on_evaluate
