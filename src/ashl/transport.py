@@ -259,6 +259,10 @@ class _SharedContext:
 
     def __init__(self):
         import zmq
+        # Zero-copy sends need pyzmq's garbage collector, which stops at interpreter exit.
+        # Imported now, its exit hook is registered before ashl's (torch/exit.py, which
+        # sends the last commits at exit), so it runs after it.
+        import zmq.utils.garbage  # noqa: F401
         self.context = zmq.Context(io_threads=1)
         self.users, self.lock = 1, threading.Lock()
 

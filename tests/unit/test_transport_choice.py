@@ -234,3 +234,30 @@ def test_open_ends_refuses_mpi_for_a_fault_tolerant_run_before_any_collective():
         transport.open_ends(None, 0, 10, transport="mpi", fault_tolerant=True)
     with pytest.raises(ValueError, match="'tcp'"):
         transport.open_ends(None, 0, 10, transport="tcp")
+
+
+def test_a_zero_copy_commit_still_goes_out_from_an_exit_hook_registered_after_the_ends():
+    """ashl's leave-at-exit hook is registered once the ends exist and sends the last
+    commits at exit: pyzmq's garbage collector (zero-copy sends) must still be up then."""
+    import subprocess
+    import sys
+    script = """
+import atexit, torch
+from ashl.protocol import DType, Header, Kind
+from ashl.stages import Stage
+from ashl.transport import ZmqServerEnd
+numel = 1 << 16        # past the copy threshold: a zero-copy send
+server = ZmqServerEnd(1, numel, heartbeat_s=0.2, timeout_s=1.0, fault_tolerant=False)
+own = server.own_end(0)
+def commit():
+    own.send(Header(kind=Kind.DENSE_DELTA, rank=0, stage=Stage.AHL, dtype=DType.FLOAT32,
+                    numel=numel), torch.zeros(numel))
+def last_commit():
+    commit()
+    print("sent", flush=True)
+atexit.register(last_commit)
+commit()               # training: zero-copy commits after the hook was registered
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60)
+    assert "sent" in proc.stdout, proc.stderr[-3000:]
