@@ -51,7 +51,8 @@ bench-kernels: build
 	$(PY) -m ashl.bench kernels --repeat 25 --threads 1 --json $(OUT)/kernels-1thread.json
 
 # The commit round trip (a dense delta to the server, the model back) from 1 KiB to 64 MiB,
-# MPI and ZeroMQ interleaved, 2 ranks on this host, 30 round trips per size and transport.
+# ZeroMQ (tcp, inproc) and MPI (to another rank, to itself) interleaved, 2 ranks on this host, 30
+# round trips per size and transport; then the idle cost (5 held commits of 1 s per transport).
 bench-transport: build
 	@mkdir -p $(OUT)
 	$(PY) -m ashl.bench transport --json $(OUT)/transport.json

@@ -19,7 +19,8 @@ from typing import Iterator, Optional, Sequence
 
 from .emulation import DEFAULT_LINK, Link
 from .outer_spec import OuterSpecError, parse_outer
-from .strategies import CHECKPOINTING, FAULT_TOLERANT, STRATEGIES
+from .strategies import (CHECKPOINTING, FAULT_TOLERANT, PARAMETER_SERVER, STRATEGIES,
+                         TRANSPORTS, transport_problem)
 
 DATASET_HELP = "digits (default), mnist, synthetic[:N], cifar10:DIR"
 FACTORS_EXAMPLE = "1,1,2,4"
@@ -244,6 +245,30 @@ def check_fault_tolerant(strategy: str, timeout_s: float) -> None:
                           f"{', '.join(FAULT_TOLERANT)}")
     if not (math.isfinite(timeout_s) and timeout_s > 0):
         raise OptionError(f"--fault-timeout {timeout_s:g}: must be a number of seconds > 0")
+
+
+def add_transport_option(p: argparse.ArgumentParser, default_note: str) -> None:
+    # not given: absent (SUPPRESS), so the help shows default_note and no "(default: None)"
+    p.add_argument("--transport", default=argparse.SUPPRESS,
+                   metavar="{" + ",".join(TRANSPORTS) + "}",
+                   help="how commits reach the parameter server (" + ", ".join(PARAMETER_SERVER)
+                        + "): zmq (event-driven, the server rank's own commits in-process) or "
+                        "mpi (point-to-point, sleep-polled; for fabrics where MPI is faster, "
+                        f"e.g. RDMA) (default: {default_note})")
+
+
+def check_transport(transport: Optional[str], strategy: Optional[str] = None,
+                    fault_tolerant: bool = False) -> None:
+    """--transport: a known one, for a parameter-server strategy (when `strategy` is
+    given), zmq when fault-tolerant (OptionError)."""
+    if transport is None:   # not given
+        return
+    problem = transport_problem(transport, fault_tolerant)
+    if problem is None and strategy is not None and strategy not in PARAMETER_SERVER:
+        problem = (f"strategy {strategy} has no parameter server (its rounds are "
+                   f"allreduces); --transport is for {', '.join(PARAMETER_SERVER)}")
+    if problem is not None:
+        raise OptionError(f"--transport {transport!r}: {problem}")
 
 
 def split_variant(name: str) -> tuple[str, Optional[str]]:

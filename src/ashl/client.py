@@ -1,8 +1,8 @@
 """The rank's half of the commit protocol: ``ServerClient.commit(payload, commit) -> Reply``.
 
 The server's half is ``server.ServerThread``. A commit is one message (header + the
-compressed delta) through a transport.RankEnd (MPI point-to-point, or ZeroMQ when the run
-is fault-tolerant); the answer is one REPLY carrying the global model, followed by a PLAN
+compressed delta) through a transport.RankEnd (ZeroMQ, in-process on the server rank, or
+MPI point-to-point: ``transport=``); the answer is one REPLY carrying the global model, followed by a PLAN
 message when the rank's plan is out of date. The client fills the header, emulates a slow
 link if asked, waits for the answer, and returns it decoded: accepted or rejected,
 the stage the run is in, a stop, a new plan. What a rank does with the answer is the
@@ -59,7 +59,7 @@ class Reply:
 
 
 class ServerClient:
-    """Commits to the parameter server through a transport.RankEnd (MPI or ZeroMQ)."""
+    """Commits to the parameter server through a transport.RankEnd (ZeroMQ or MPI)."""
 
     def __init__(self, end: RankEnd, rank: int, numel: int, *,
                  heterogeneity: Optional[Heterogeneity] = None):

@@ -2,9 +2,10 @@
 
 ``ParameterServer`` is the merge rule, the staleness gate and the roll of live ranks, with no
 I/O: it takes a decoded commit (or the news that a rank is gone) and says which replies go
-out now. ``ServerThread`` is the edge: it takes commits from a transport.ServerEnd (MPI, or
-ZeroMQ when the run is fault-tolerant; every rank, the host rank included, commits the same
-way), hands them to the server and sends the replies. The rank's half of the exchange is
+out now. ``ServerThread`` is the edge: it takes commits from a transport.ServerEnd (ZeroMQ,
+the host rank's own over inproc, or MPI; every rank commits through the same ServerEnd),
+hands them to the server, sends the replies, and keeps its own CPU share and each commit's
+latency at the server in ``ServerStats``. The rank's half of the exchange is
 ``client.ServerClient``.
 
 Fault tolerance: a rank whose connection closes or falls silent (the transport says so), or
@@ -49,6 +50,30 @@ from .transport import JoinRequest, PeerLost, ServerEnd, StalePeer, rank_identit
 log = logging.getLogger("ashl.server")
 
 SHL_LOG_LENGTH = 10000
+LATENCY_SAMPLES = 10000    # commit latencies kept for the median and p95: the latest ones
+
+
+def busy_fraction(cpu_s: float, wall_s: float) -> Optional[float]:
+    """The share of `wall_s` a thread spent on a CPU (`cpu_s` of its own CPU time), at most
+    1 (the two clocks tick apart); None before any wall time has passed."""
+    if wall_s <= 0:
+        return None
+    return min(1.0, max(0.0, cpu_s) / wall_s)
+
+
+def nearest_rank(sorted_values, q: float) -> float:
+    """The q-quantile (0 < q <= 1) of non-empty `sorted_values` by the nearest-rank rule:
+    a value that was measured, never one between two."""
+    return sorted_values[max(0, math.ceil(q * len(sorted_values)) - 1)]
+
+
+def latency_summary(samples_ms, count: int) -> dict:
+    """`count` commits seen; the median and p95 (ms) of `samples_ms`, the latest of them
+    (None without any)."""
+    ordered = sorted(samples_ms)
+    return {"count": int(count), "samples": len(ordered),
+            "median_ms": nearest_rank(ordered, 0.5) if ordered else None,
+            "p95_ms": nearest_rank(ordered, 0.95) if ordered else None}
 
 
 @dataclass
@@ -65,12 +90,23 @@ class ServerStats:
     shl_log: deque = field(default_factory=lambda: deque(maxlen=SHL_LOG_LENGTH))
     merged_by: list = field(default_factory=list)    # merged commits per rank
     lost: list = field(default_factory=list)         # LostRank, in the order they went
+    # The server thread: its own CPU time and its wall time since it started, as of its
+    # latest wake-up (busy fraction = cpu / wall: what it takes from the training beside it)
+    thread_cpu_s: float = 0.0
+    thread_wall_s: float = 0.0
+    # Commit latency at the server: the commit received -> its reply sent (replies held
+    # by the staleness bound are not counted: they wait for other ranks, not for the server)
+    replies_timed: int = 0
+    latency_ms: deque = field(default_factory=lambda: deque(maxlen=LATENCY_SAMPLES))
 
     def to_dict(self) -> dict:
         d = dict(self.__dict__)
         d["shl_log"] = [list(x) for x in self.shl_log]
         d["lost"] = [dataclasses.asdict(x) for x in self.lost]
         d["merged_by"] = list(self.merged_by)   # a copy: the server thread goes on counting
+        d["busy_fraction"] = busy_fraction(self.thread_cpu_s, self.thread_wall_s)
+        del d["latency_ms"], d["replies_timed"]
+        d["commit_latency"] = latency_summary(list(self.latency_ms), self.replies_timed)
         return d
 
 
@@ -381,10 +417,19 @@ class ServerThread:
         """From any thread: end the run; the server thread releases and answers everyone."""
         self._stop_reason = reason
 
+    def _clocks(self) -> None:
+        """The thread's CPU and wall time so far, into the stats (under the lock: the
+        training thread reads them)."""
+        with self.lock:
+            self.server.stats.thread_cpu_s = time.thread_time() - self._cpu0
+            self.server.stats.thread_wall_s = time.monotonic() - self._wall0
+
     def _run(self) -> None:
+        self._cpu0, self._wall0 = time.thread_time(), time.monotonic()
         next_tick = time.monotonic() + self.tick_s
         try:
             while self.server.live:
+                self._clocks()
                 if self._stop_reason is not None or time.monotonic() >= next_tick:
                     next_tick = time.monotonic() + self.tick_s
                     reason, self._stop_reason = self._stop_reason, None
@@ -398,6 +443,7 @@ class ServerThread:
                     log.error("rejected a malformed message: %s", exc)
                     continue
                 self._serve(event)
+            self._clocks()
         except BaseException as exc:  # noqa: BLE001 - reported to the training thread
             self.error = exc
             log.exception("the parameter server failed")
@@ -419,16 +465,27 @@ class ServerThread:
         if isinstance(event, PeerLost):
             with self.lock:
                 replies = self.server.lose(event.rank, event.why)
-        else:
-            with self.lock:
-                try:
-                    replies = self.server.handle(event.header, event.payload)
-                except (protocol.ProtocolError, IndexError, ValueError) as exc:
-                    self.server.stats.rejected_invalid += 1
-                    log.error("rank %d: rejected commit %d: %s", event.header.rank,
-                              event.header.commit, exc)
-                    replies = [self.server._reply(event.header.rank, event.header, False)]
+            self._send_all(replies)
+            return
+        received = time.perf_counter()
+        with self.lock:
+            try:
+                replies = self.server.handle(event.header, event.payload)
+            except (protocol.ProtocolError, IndexError, ValueError) as exc:
+                self.server.stats.rejected_invalid += 1
+                log.error("rank %d: rejected commit %d: %s", event.header.rank,
+                          event.header.commit, exc)
+                replies = [self.server._reply(event.header.rank, event.header, False)]
         self._send_all(replies)
+        self._time_reply(replies, event.header, received)
+
+    def _time_reply(self, replies: list[OutgoingReply], asked: Header, received: float) -> None:
+        """The commit's latency at the server, if its reply went out now (not held)."""
+        if any(r.dest == asked.rank and r.header.commit == asked.commit for r in replies):
+            stats = self.server.stats
+            with self.lock:
+                stats.replies_timed += 1
+                stats.latency_ms.append((time.perf_counter() - received) * 1e3)
 
     def _admit(self, request: JoinRequest) -> None:
         """Answer a replacement: its slot and the run's size (SUMMARY), then the global model

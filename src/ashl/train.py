@@ -42,9 +42,9 @@ import time
 from typing import Optional, Sequence
 
 from .cli import (OneLineParser, OptionError, add_checkpoint_options, add_run_options,
-                  check_checkpoint_options, check_factor_count, check_fault_tolerant,
-                  check_outer, check_run_options, check_strategy, checkpoint_path,
-                  parse_factors, parse_link)
+                  add_transport_option, check_checkpoint_options, check_factor_count,
+                  check_fault_tolerant, check_outer, check_run_options, check_strategy,
+                  check_transport, checkpoint_path, parse_factors, parse_link)
 from .emulation import Heterogeneity, step_time_from_env
 from .strategies import STRATEGIES
 
@@ -78,6 +78,7 @@ def build_parser(prog: str = PROG) -> OneLineParser:
     p.add_argument("--fault-timeout", type=float, default=5.0, metavar="S",
                    help="with --fault-tolerant: a worker silent this long (or 3 of its planned "
                         "rounds, whichever is longer) is dropped")
+    add_transport_option(p, "zmq")
     add_checkpoint_options(p)
     p.add_argument("--out", default=os.path.join("out", "train"), help="output directory")
     p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
@@ -134,6 +135,8 @@ def check_options(args: argparse.Namespace) -> argparse.Namespace:
                     f"--outer-optimizer {args.outer_optimizer!r}")
     if args.fault_tolerant:
         check_fault_tolerant(args.strategy, args.fault_timeout)
+    args.transport = getattr(args, "transport", None)   # None: the strategy's default
+    check_transport(args.transport, args.strategy, args.fault_tolerant)
     if args.max_seconds is None and args.max_commits is None and args.target_accuracy is None:
         raise OptionError("no stop condition: give --max-seconds, --max-commits or "
                           "--target-accuracy")
@@ -462,6 +465,8 @@ class Run:
             config["outer_optimizer"] = a.outer_optimizer
         if a.fault_tolerant:
             config.update(fault_tolerant=True, fault_timeout_s=a.fault_timeout)
+        if getattr(a, "transport", None) is not None:
+            config["transport"] = a.transport
         if self.lead:
             config["evaluate"] = self.on_evaluate
         # Ranks finish importing and loading at different times (a loaded host skews them by
@@ -641,6 +646,7 @@ def build_summary(args, everyone: Sequence[dict], rows: Sequence[dict], wall: fl
         "evaluations": len(rows),
         "stop_reason": stop_reason,
         "fault_tolerant": bool(getattr(args, "fault_tolerant", False)),
+        "transport": counters[0].get("transport") if counters else None,
         # ranks a fault-tolerant run lost; in such a run per_rank holds rank 0 alone (the
         # others' counters would need a collective) and server.merged_by the rest
         "lost_ranks": counters[0].get("lost_ranks", []) if counters else [],

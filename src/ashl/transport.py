@@ -1,19 +1,24 @@
-"""How commits and replies travel: one interface, two transports.
+"""How commits and replies travel: one interface, two transports (``transport=``).
 
 The server's end (``ServerEnd``) waits for the next commit or for news that a peer is gone,
 and sends replies; a rank's end (``RankEnd``) sends its commit and waits for the answer.
 Both carry exactly the messages of protocol.py (one 128-byte header, then the payload).
 
-- ``MPI``: point-to-point on a duplicate of the job's communicator (the default). Fail-stop:
-  Open MPI ends the job when a rank dies, so a peer is never reported lost.
-- ``ZeroMQ`` (``fault_tolerant=True``): a ROUTER socket on the server rank, one DEALER per
-  rank. A dead process closes its TCP connection, and the ROUTER's socket monitor reports
+- ``zmq`` (the default, and the only one of a fault-tolerant run): a ROUTER socket on the
+  server rank, one DEALER per rank, every wait a blocking ``zmq.Poller`` (no core spent
+  waiting). The ROUTER binds TCP for the other ranks and ``inproc://`` for the server rank's
+  own DEALER (one context shared in the process), so that rank's commits never leave the
+  process. A dead process closes its TCP connection, and the ROUTER's socket monitor reports
   the disconnect at once (the connection's file descriptor, mapped to the rank whose
   messages came through it); a silent one (a host gone, a frozen process) stops answering
   the ZMTP heartbeats and is disconnected after ``timeout_s``. A rank sees the server's
-  disconnect the same way, through a socket monitor. Under ``mpirun --enable-recovery`` MPI
-  traffic towards a dead rank can deadlock Open MPI's TCP transport; ZeroMQ's cannot
-  (docs/LAUNCHING.md has the measurements).
+  disconnect the same way, through a socket monitor. A fault-tolerant server end reports a
+  lost peer (``PeerLost``); a fail-stop one raises ``LostPeerError``, which ends the run as
+  Open MPI ends a run whose rank died. Under ``mpirun --enable-recovery`` MPI traffic towards
+  a dead rank can deadlock Open MPI's TCP transport; ZeroMQ's cannot (docs/LAUNCHING.md).
+- ``mpi``: point-to-point on a duplicate of the job's communicator, for fabrics where MPI
+  is faster than TCP (RDMA). Fail-stop: Open MPI ends the job when a rank dies. Its waits
+  sleep-poll (``Iprobe`` + a ``poll_s`` sleep: Open MPI's blocking probe spins a core).
 
 Neither end copies a payload to send it (ZeroMQ sends it in frames of at most 8 MiB
 straight from the caller's buffer), and both return from ``send`` once the buffer may be
@@ -21,8 +26,10 @@ changed again; a received message lands in the caller's preallocated MessageBuff
 """
 from __future__ import annotations
 
+import itertools
 import os
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
@@ -30,7 +37,8 @@ from typing import Callable, Optional, Union
 from . import protocol
 from .protocol import Header, Message, MessageBuffer
 
-__all__ = ["PeerLost", "StalePeer", "JoinRequest", "join_identity", "rank_identity", "ServerLost", "ServerEnd", "RankEnd", "MPIServerEnd", "MPIRankEnd",
+__all__ = ["PeerLost", "StalePeer", "JoinRequest", "join_identity", "rank_identity", "ServerLost",
+           "LostPeerError", "ServerEnd", "RankEnd", "MPIServerEnd", "MPIRankEnd",
            "ZmqServerEnd", "ZmqRankEnd", "advertised_hosts", "pick_host", "open_ends"]
 
 
@@ -72,6 +80,10 @@ def rank_identity(rank: int) -> bytes:
 
 class ServerLost(RuntimeError):
     """A rank's end lost the parameter server."""
+
+
+class LostPeerError(RuntimeError):
+    """A fail-stop run's server end lost a rank: the run cannot go on without it."""
 
 
 class ServerEnd:
@@ -239,17 +251,50 @@ def _send_parts(sock, prefix: list, header: Header, payload, wait: Optional[floa
     return True
 
 
-class ZmqServerEnd(ServerEnd):
-    """A ROUTER bound on every interface at a free port (``port``); peers are told apart by
-    their identity, which names their rank."""
+class _SharedContext:
+    """A zmq.Context for the ends of one process (``inproc://`` connects only within one
+    context), terminated when the last of them closes: neither end's close waits for the
+    other's (the server thread closes its end when it fails, while the training thread may
+    still hold its own)."""
 
-    fault_tolerant = True
+    def __init__(self):
+        import zmq
+        # Zero-copy sends need pyzmq's garbage collector, which stops at interpreter exit.
+        # Imported now, its exit hook is registered before ashl's (torch/exit.py, which
+        # sends the last commits at exit), so it runs after it.
+        import zmq.utils.garbage  # noqa: F401
+        self.context = zmq.Context(io_threads=1)
+        self.users, self.lock = 1, threading.Lock()
+
+    def share(self) -> "_SharedContext":
+        with self.lock:
+            self.users += 1
+        return self
+
+    def release(self) -> None:
+        with self.lock:
+            self.users -= 1
+            last = self.users == 0
+        if last:
+            self.context.term()
+
+
+_INPROC = itertools.count()
+
+
+class ZmqServerEnd(ServerEnd):
+    """A ROUTER bound on every interface at a free port (``port``), and at ``inproc`` for
+    the server rank's own end (``own_end``); peers are told apart by their identity, which
+    names their rank. Fail-stop (``fault_tolerant=False``): a lost peer raises
+    LostPeerError instead of being reported."""
 
     def __init__(self, world_size: int, model_numel: int, *, heartbeat_s: float = 0.5,
-                 timeout_s: float = 5.0, port: int = 0):
+                 timeout_s: float = 5.0, port: int = 0, fault_tolerant: bool = True):
         import zmq
         self.world_size, self.model_numel, self.timeout_s = world_size, model_numel, timeout_s
-        self.context = zmq.Context(io_threads=1)
+        self.heartbeat_s, self.fault_tolerant = heartbeat_s, fault_tolerant
+        self.shared = _SharedContext()
+        self.context = self.shared.context
         self.sock = self.context.socket(zmq.ROUTER)
         _heartbeats(self.sock, heartbeat_s, timeout_s)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)   # a reply to a gone peer fails, not vanishes
@@ -267,7 +312,18 @@ class ZmqServerEnd(ServerEnd):
             self.port = port
         else:
             self.port = self.sock.bind_to_random_port("tcp://*")
+        self.inproc = f"inproc://ashl-server-{os.getpid()}-{next(_INPROC)}"
+        self.sock.bind(self.inproc)
         self.buffer = MessageBuffer(protocol.max_payload_nbytes(model_numel))
+
+    def own_end(self, rank: int, *, server_error: Callable[[], Optional[BaseException]]
+                = lambda: None) -> "ZmqRankEnd":
+        """The server rank's own end: a DEALER in this process, over inproc (no TCP, no
+        copy on the way in but the one into the server's buffer)."""
+        return ZmqRankEnd(self.inproc, rank, self.model_numel, world_size=self.world_size,
+                          server_rank=rank, heartbeat_s=self.heartbeat_s,
+                          timeout_s=self.timeout_s, server_error=server_error,
+                          context=self.shared.share())
 
     def poll(self, timeout_s: float):
         import zmq
@@ -275,7 +331,11 @@ class ZmqServerEnd(ServerEnd):
         if self.monitor in ready:
             self._disconnects()
         if self.lost:
-            return self.lost.pop(0)
+            lost = self.lost.pop(0)
+            if not self.fault_tolerant:
+                raise LostPeerError(f"lost rank {lost.rank}: {lost.why}; the run is fail-stop "
+                                    "(fault_tolerant=False), it ends here")
+            return lost
         if self.sock not in ready:
             return None
         frame = self.sock.recv(copy=False)
@@ -291,7 +351,10 @@ class ZmqServerEnd(ServerEnd):
             raise protocol.ProtocolError("rank", f"a message from unknown peer {identity[:32]!r}")
         if self.owner.setdefault(rank, identity) != identity:
             return StalePeer(identity, rank)
-        self.fd_identity[frame.get(zmq.SRCFD)] = identity
+        try:
+            self.fd_identity[frame.get(zmq.SRCFD)] = identity
+        except zmq.ZMQError:   # inproc: no descriptor, and no connection to lose
+            pass
         message = protocol.received(self.buffer, count, rank, world_size=self.world_size,
                                     model_numel=self.model_numel)
         return None if message.header.kind == protocol.Kind.HELLO else message
@@ -332,7 +395,7 @@ class ZmqServerEnd(ServerEnd):
         self.sock.disable_monitor()
         self.monitor.close(linger=0)
         self.sock.close(linger=int(self.timeout_s * 1000))
-        self.context.term()
+        self.shared.release()
 
 
 class ZmqRankEnd(RankEnd):
@@ -343,20 +406,26 @@ class ZmqRankEnd(RankEnd):
     def __init__(self, endpoint: str, rank: int, model_numel: int, *, world_size: int,
                  server_rank: Optional[int], heartbeat_s: float = 0.5, timeout_s: float = 5.0,
                  identity: Optional[bytes] = None,
-                 server_error: Callable[[], Optional[BaseException]] = lambda: None):
+                 server_error: Callable[[], Optional[BaseException]] = lambda: None,
+                 context: Optional[_SharedContext] = None):
         """`server_rank` None: not known yet (a replacement), any sender rank is taken.
-        `server_error`: the server thread of this process, if it failed."""
+        `server_error`: the server thread of this process, if it failed. `context`: the
+        server end's, for its inproc endpoint (ZmqServerEnd.own_end)."""
         import zmq
         self.endpoint, self.model_numel = endpoint, model_numel
         self.world_size, self.server_rank = world_size, server_rank
         self.timeout_s, self.server_error = timeout_s, server_error
         identity = identity or rank_identity(rank)
-        self.context = zmq.Context(io_threads=1)
-        self.sock = self.context.socket(zmq.DEALER)
+        self.shared = context or _SharedContext()
+        self.sock = self.shared.context.socket(zmq.DEALER)
         _heartbeats(self.sock, heartbeat_s, timeout_s)
         self.sock.setsockopt(zmq.ROUTING_ID, identity)
+        # a DEALER with no peer at all blocks in send (inproc, once the server's end closed):
+        # give up every 0.25 s to look at the server thread (send)
+        self.sock.setsockopt(zmq.SNDTIMEO, 250)
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-        self.connected = False
+        # an inproc connection is made at once, and has no events
+        self.connected = endpoint.startswith("inproc://")
         self.sock.connect(endpoint)
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
@@ -366,7 +435,17 @@ class ZmqRankEnd(RankEnd):
             self.send(Header(kind=protocol.Kind.HELLO, rank=rank))
 
     def send(self, header: Header, payload=None) -> None:
-        _send_parts(self.sock, [], header, payload, wait=None)
+        import zmq
+        while True:
+            try:
+                return _send_parts(self.sock, [], header, payload, wait=None)
+            except zmq.Again:   # nothing went: no peer to queue for (the first frame blocks)
+                self._check_server()
+
+    def _check_server(self) -> None:
+        error = self.server_error()
+        if error is not None:
+            raise ServerLost("the parameter server failed") from error
 
     def recv(self, buffer: MessageBuffer) -> Message:
         import zmq
@@ -384,9 +463,7 @@ class ZmqRankEnd(RankEnd):
                 if event == zmq.EVENT_DISCONNECTED:
                     lost_at = lost_at or time.monotonic()
                 self.connected = self.connected or event == zmq.EVENT_CONNECTED
-            error = self.server_error()
-            if error is not None:
-                raise ServerLost("the parameter server failed") from error
+            self._check_server()
             now = time.monotonic()
             where = (self.endpoint if self.server_rank is None
                      else f"rank {self.server_rank}, {self.endpoint}")
@@ -400,7 +477,7 @@ class ZmqRankEnd(RankEnd):
         self.sock.disable_monitor()
         self.monitor.close(linger=0)
         self.sock.close(linger=0)
-        self.context.term()
+        self.shared.release()
 
 
 # ----------------------------------------------------------------- the endpoint
@@ -451,20 +528,25 @@ def pick_host(server_hosts: list[str], server_identity: Optional[str] = None) ->
     return server_hosts[0]
 
 
-def open_ends(comm, server_rank: int, model_numel: int, *, fault_tolerant: bool,
-              timeout_s: float = 5.0, heartbeat_s: float = 0.5, poll_s: float = 2e-4,
+def open_ends(comm, server_rank: int, model_numel: int, *, transport: str = "zmq",
+              fault_tolerant: bool = False, timeout_s: float = 5.0, heartbeat_s: float = 0.5,
+              poll_s: float = 2e-4,
               server_error: Callable[[], Optional[BaseException]] = lambda: None,
               join: Optional[str] = None):
     """(server end on `server_rank` else None, this rank's end), over `comm` (a duplicate
-    of the job's communicator). Collective when fault-tolerant: the server rank binds its
-    ROUTER and broadcasts where it listens; every rank connects to it. A replacement
-    (`join`: the run's endpoint, ASHL_JOIN) connects there alone, under a join identity."""
+    of the job's communicator). Collective over zmq: the server rank binds its ROUTER and
+    broadcasts where it listens; every other rank connects to it over TCP, the server rank
+    over inproc. A replacement (`join`: the run's endpoint, ASHL_JOIN) connects there
+    alone, under a join identity. A fault-tolerant run needs zmq (ValueError)."""
     if join is not None:
         return None, ZmqRankEnd(join, 0, model_numel, world_size=2**31 - 1, server_rank=None,
                                 heartbeat_s=heartbeat_s, timeout_s=timeout_s,
                                 identity=join_identity())
+    if transport not in ("zmq", "mpi") or (fault_tolerant and transport != "zmq"):
+        raise ValueError(f"transport {transport!r} (fault_tolerant={fault_tolerant}): expected "
+                         "'zmq', or 'mpi' for a fail-stop run")
     rank, size = comm.Get_rank(), comm.Get_size()
-    if not fault_tolerant:
+    if transport == "mpi":
         server = MPIServerEnd(comm, model_numel, poll_s=poll_s) if rank == server_rank else None
         return server, MPIRankEnd(comm, server_rank, model_numel, poll_s=poll_s,
                                   server_error=server_error)
@@ -472,10 +554,13 @@ def open_ends(comm, server_rank: int, model_numel: int, *, fault_tolerant: bool,
     where = None
     if rank == server_rank:
         server = ZmqServerEnd(size, model_numel, heartbeat_s=heartbeat_s, timeout_s=timeout_s,
-                              port=int(os.environ.get("ASHL_SERVER_PORT", "0")))
+                              port=int(os.environ.get("ASHL_SERVER_PORT", "0")),
+                              fault_tolerant=fault_tolerant)
         where = {"hosts": advertised_hosts(), "port": server.port, "host": host_identity()}
     where = comm.bcast(where, root=server_rank)
-    host = "127.0.0.1" if rank == server_rank else pick_host(where["hosts"], where["host"])
+    if server is not None:
+        return server, server.own_end(rank, server_error=server_error)
+    host = pick_host(where["hosts"], where["host"])
     end = ZmqRankEnd(f"tcp://{host}:{where['port']}", rank, model_numel, world_size=size,
                      server_rank=server_rank, heartbeat_s=heartbeat_s, timeout_s=timeout_s,
                      server_error=server_error)

@@ -57,6 +57,7 @@ def test_homogeneous_scenario_sets_every_factor_to_one(tmp_path):
     (["--link-slowdown", "1,x"], "--link-slowdown '1,x'"),
     (["--max-seconds", "0"], "--max-seconds"),
     (["--target-accuracy", "95"], "--target-accuracy"),
+    (["--transport", "tcp"], "--transport 'tcp'"),
 ])
 def test_bad_options_exit_2_with_one_line(args, needle, tmp_path):
     _util.check_bad_bench_option("e2e", args, needle, tmp_path)
@@ -128,6 +129,16 @@ def test_seeds_and_variants_are_checked_and_reach_the_command_line(tmp_path):
     assert [r["strategy"] for r in report["results"]] == ["ashl+delayed-nesterov(0.5, 0.5)",
                                                           "diloco"]
     assert [len(r["seeds"]) for r in report["results"]] == [2, 2]
+
+
+def test_a_transport_reaches_the_parameter_server_strategies_only(tmp_path):
+    out = tmp_path / "e2e.json"
+    proc = bench("--ranks", "2", "--strategies", "asp,localsgd", "--transport", "mpi",
+                 "--mpirun", "false", "--mpirun-args", "", "--json", out, timeout=60)
+    assert proc.returncode == 1
+    assert "--transport mpi" in (tmp_path / "asp" / "log.txt").read_text()
+    assert "--transport" not in (tmp_path / "localsgd" / "log.txt").read_text()
+    assert json.loads(out.read_text())["scenario"]["transport"] == "mpi"
 
 
 def test_a_variant_has_one_spelling():

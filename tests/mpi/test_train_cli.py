@@ -72,6 +72,11 @@ BAD = [
     (["--strategy", "bsp", "--outer-optimizer", "nesterov"], ["--outer-optimizer",
                                                               "strategy bsp"]),
     (["--resume"], ["--resume", "--checkpoint-dir"]),
+    (["--transport", "tcp"], ["--transport 'tcp'", "unknown transport", "zmq, mpi"]),
+    (["--strategy", "bsp", "--transport", "mpi"], ["--transport 'mpi'", "strategy bsp",
+                                                   "no parameter server"]),
+    (["--fault-tolerant", "--transport", "mpi"], ["--transport 'mpi'", "fault-tolerant",
+                                                  "'zmq'"]),
     (["--checkpoint-dir", "unused-ckpt", "--checkpoint-every", "0"], ["--checkpoint-every 0",
                                                                      "> 0"]),
 ]

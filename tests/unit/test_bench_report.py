@@ -107,8 +107,9 @@ def test_scale_counts_are_checked():
 
 
 def test_scale_reads_the_servers_figures_and_tabulates(tmp_path):
+    server = {"busy_fraction": 0.25, "commit_latency": {"median_ms": 1.5, "p95_ms": 4.0}}
     (tmp_path / "summary.json").write_text(json.dumps(
-        {"server": {"busy_fraction": 0.25, "commit_latency_ms": {"median": 1.5, "p95": 4.0}}}))
+        {"per_rank": [{"rank": 0, "counters": {"server": server}}, {"rank": 1, "counters": {}}]}))
     r = {"strategy": "ashl", "status": "ok", "run_dir": str(tmp_path), "utilization": [0.9, 0.8],
          "throughput_fraction": 0.85, "samples_per_s": 1000.0, "final_accuracy": 0.9,
          "emulated_steps": 1000, "overruns": 0}

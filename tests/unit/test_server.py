@@ -10,7 +10,8 @@ from ashl.compression import Compression
 from ashl.coordinator import Coordinator
 from ashl.planner import RankProfile
 from ashl.protocol import DType, Flag, Header, Kind, ProtocolError
-from ashl.server import ParameterServer
+from ashl.server import (LATENCY_SAMPLES, ParameterServer, ServerStats, busy_fraction,
+                         latency_summary, nearest_rank)
 from ashl.staleness import parse_staleness
 from ashl.stages import Stage, StageConfig
 
@@ -256,3 +257,58 @@ def test_a_non_finite_delta_leaves_the_outer_momentum_alone():
     s.handle(*dense(1, bad))
     assert torch.equal(s.model, model) and torch.equal(s.outer.momentum, momentum)
     assert s.stats.rejected_nonfinite == 1 and s.outer.updates == 1
+
+
+# ------------------------------------------------- the server thread's own statistics
+
+seconds = st.floats(min_value=0.0, max_value=1e6, allow_nan=False)
+
+
+@given(cpu=seconds, wall=seconds)
+def test_busy_fraction_is_a_share_of_the_wall_time(cpu, wall):
+    share = busy_fraction(cpu, wall)
+    if wall == 0:
+        assert share is None
+    else:
+        assert 0.0 <= share <= 1.0
+        assert share == 1.0 or math.isclose(share * wall, cpu, rel_tol=1e-9, abs_tol=1e-12)
+
+
+@given(st.lists(st.floats(min_value=0, max_value=1e4, allow_nan=False), min_size=1),
+       st.floats(min_value=1e-6, max_value=1.0))
+def test_nearest_rank_is_a_measured_value_with_q_of_them_at_or_below(values, q):
+    ordered = sorted(values)
+    x = nearest_rank(ordered, q)
+    assert x in ordered
+    assert sum(v <= x for v in ordered) >= q * len(ordered)   # at least q of them up to it
+    assert sum(v < x for v in ordered) < q * len(ordered)     # and fewer strictly below
+
+
+def test_nearest_rank_by_hand():
+    assert nearest_rank([1, 2, 3, 4], 0.5) == 2
+    assert nearest_rank(list(range(1, 101)), 0.95) == 95
+    assert nearest_rank([7], 0.95) == 7
+
+
+@given(st.lists(st.floats(min_value=0, max_value=1e4, allow_nan=False)),
+       st.integers(min_value=0, max_value=10 ** 6))
+def test_latency_summary(samples, extra):
+    s = latency_summary(samples, len(samples) + extra)
+    assert s["count"] == len(samples) + extra and s["samples"] == len(samples)
+    if samples:
+        assert min(samples) <= s["median_ms"] <= s["p95_ms"] <= max(samples)
+    else:
+        assert s["median_ms"] is None and s["p95_ms"] is None
+
+
+def test_stats_keep_the_latest_latencies_and_report_the_summary_and_busy_fraction():
+    stats = ServerStats(thread_cpu_s=0.5, thread_wall_s=2.0)
+    for i in range(LATENCY_SAMPLES + 10):
+        stats.latency_ms.append(float(i))
+        stats.replies_timed += 1
+    d = stats.to_dict()
+    assert d["busy_fraction"] == 0.25
+    assert d["commit_latency"]["count"] == LATENCY_SAMPLES + 10
+    assert d["commit_latency"]["samples"] == LATENCY_SAMPLES    # the memory stays flat
+    assert d["commit_latency"]["median_ms"] == 10 + LATENCY_SAMPLES // 2 - 1
+    assert "latency_ms" not in d and "replies_timed" not in d

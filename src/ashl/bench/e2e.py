@@ -46,12 +46,12 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from ..cli import (OptionError, add_run_options, check_factor_count, check_run_options,
-                   error_line, format_factors, parse_factors, parse_link, parse_strategies,
-                   split_variant)
+from ..cli import (OptionError, add_run_options, add_transport_option, check_factor_count,
+                   check_run_options, check_transport, error_line, format_factors,
+                   parse_factors, parse_link, parse_strategies, split_variant)
 from ..emulation import DEFAULT_LINK
 from ..launch_env import launch_env
-from ..strategies import STRATEGIES
+from ..strategies import PARAMETER_SERVER, STRATEGIES
 from . import report as figures
 from . import scenario as default_scenario
 
@@ -111,6 +111,7 @@ def add_arguments(p: argparse.ArgumentParser, ranks: bool = True) -> None:
     p.add_argument("--netns-rate", default=DEFAULT_NETNS_RATE, metavar="RATE",
                    help="with --netns: the factor-1 link's rate, tc syntax in bits "
                         "(e.g. 100mbit, 500kbit)")
+    add_transport_option(p, "ashl.train's, zmq")
     p.add_argument("--out", default=None, help="directory of the runs (default: next to --json)")
     p.add_argument("--json", default=os.path.join("out", "e2e", "e2e.json"),
                    help="where the results go (.md table and .png plot beside it)")
@@ -185,6 +186,9 @@ def train_command(args, strategy: str, run_dir: str, compute: Sequence[float],
         cmd += ["--target-accuracy", f"{args.target_accuracy:g}"]
     if args.eval_every is not None:
         cmd += ["--eval-every", f"{args.eval_every:g}"]
+    transport = getattr(args, "transport", None)
+    if transport is not None and strategy in PARAMETER_SERVER:
+        cmd += ["--transport", transport]
     if hosts is not None:
         cmd = hosts.command(0, cmd)
     return cmd
@@ -500,6 +504,8 @@ class Setup:
 def check(args) -> Setup:
     """Every option, before anything runs; a bad one raises OptionError."""
     names = parse_strategies(args.strategies, default_strategies())
+    args.transport = getattr(args, "transport", None)   # None: ashl.train's default
+    check_transport(args.transport)
     if args.ranks < 1:
         raise OptionError(f"--ranks {args.ranks}: must be >= 1")
     # Under --hostfile, a cifar10:DIR need not exist here, only on the hosts.
@@ -572,6 +578,7 @@ def scenario(args, setup: Setup) -> dict:
         "target_accuracy": args.target_accuracy, "max_seconds": args.max_seconds,
         "stop_at_target": not args.full_budget, "timeout_s": setup.timeout,
         "strategies": setup.names, "host": platform.node(), "cpus": os.cpu_count(),
+        "transport": getattr(args, "transport", None),
     }
     if args.netns:
         from .. import netns

@@ -52,17 +52,27 @@ def parse_counts(text: str) -> list[int]:
     return counts
 
 
+def server_stats(summary: dict) -> dict:
+    """The server's own counters in a run's summary (the server rank's `counters.server`),
+    or {} for a strategy without a server."""
+    for r in summary.get("per_rank") or []:
+        server = (r.get("counters") or {}).get("server")
+        if server:
+            return server
+    return {}
+
+
 def server_side(run_dir: str) -> dict:
     """The server's figures from a run's summary.json (None where the strategy has none)."""
     try:
         with open(os.path.join(run_dir, "summary.json")) as f:
-            server = json.load(f).get("server") or {}
+            server = server_stats(json.load(f))
     except (OSError, ValueError):
         server = {}
-    latency = server.get("commit_latency_ms") or {}
+    latency = server.get("commit_latency") or {}
     return {"server_busy_fraction": server.get("busy_fraction"),
-            "commit_latency_ms_median": latency.get("median"),
-            "commit_latency_ms_p95": latency.get("p95")}
+            "commit_latency_ms_median": latency.get("median_ms"),
+            "commit_latency_ms_p95": latency.get("p95_ms")}
 
 
 def row(n: int, r: dict) -> dict:

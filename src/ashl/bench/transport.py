@@ -1,6 +1,7 @@
 """``python -m ashl.bench transport``: the commit round trip against message size, over both
-commit transports (``ashl.transport``: MPI point-to-point, the default, and ZeroMQ, the
-fault-tolerant one) in one run.
+commit transports (``ashl.transport``: ZeroMQ, the default, and MPI point-to-point) in one
+run, for a rank's commits (zmq over TCP, mpi) and for the server rank's own (inproc,
+mpi-self); then what waiting costs each transport in CPU.
 
 A round trip is what a commit costs a rank: a DENSE_DELTA of N bytes to the server, and the
 server's REPLY carrying N bytes back (as the model a real reply carries). This launches
@@ -18,6 +19,12 @@ through shared memory and ZeroMQ through loopback TCP; between hosts both are TC
 figures are the transports' own costs, not a network's. The MPI ends poll (they sleep
 ``--poll-s`` between probes, as in a real run) where ZeroMQ's block until a message comes:
 at small sizes MPI's round trip is mostly those sleeps.
+
+The idle cost (``--hold-s``, ``--hold-repeat``; 0 skips it): the server thread holds each
+of rank 1's commits ``--hold-s`` before it answers, waiting meanwhile as it waits between
+commits. Reported per transport, as median [min-max] over the repeats: the server thread's
+CPU share (its CPU time over the window) and wake-ups per second, and the waiting rank's
+CPU share (its whole process) and its waiting thread's wake-ups per second.
 """
 from __future__ import annotations
 
@@ -31,7 +38,10 @@ import tempfile
 from ..cli import OptionError, error_line
 from .e2e import _tail, launch
 from .script import spread
-from .transport_worker import DEFAULT_POLL_S, TRANSPORTS
+from .transport_worker import DEFAULT_POLL_S, SELF_TRANSPORTS, TRANSPORTS
+
+ALL = TRANSPORTS + SELF_TRANSPORTS
+RATIOS = {"zmq_over_mpi": ("zmq", "mpi"), "inproc_over_mpi_self": ("inproc", "mpi-self")}
 
 PROG = "ashl.bench transport"
 DEFAULT_SIZES = "1K,4K,16K,64K,256K,1M,4M,16M,64M"
@@ -52,6 +62,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="how long the MPI ends sleep between looks for a message (default "
                         f"{DEFAULT_POLL_S:g}, ashl.transport's); it bounds MPI's small-message "
                         "round trip from below")
+    p.add_argument("--hold-s", type=float, default=1.0, metavar="S",
+                   help="the idle cost: how long the server holds each commit (default 1; "
+                        "0 skips it)")
+    p.add_argument("--hold-repeat", type=int, default=5,
+                   help="held commits per transport (default 5)")
     p.add_argument("--timeout", type=float, default=900.0,
                    help="kill the run after this many seconds (default 900)")
     p.add_argument("--mpirun", default="mpirun", help="the launcher command")
@@ -91,6 +106,10 @@ def check(args) -> list[int]:
         raise OptionError(f"--warmup {args.warmup}: must be >= 0")
     if not args.poll_s >= 0:
         raise OptionError(f"--poll-s {args.poll_s:g}: must be >= 0")
+    if not args.hold_s >= 0:
+        raise OptionError(f"--hold-s {args.hold_s:g}: must be >= 0")
+    if args.hold_repeat < 0:
+        raise OptionError(f"--hold-repeat {args.hold_repeat}: must be >= 0")
     if not args.timeout > 0:
         raise OptionError(f"--timeout {args.timeout:g}: must be > 0")
     return sizes
@@ -101,7 +120,8 @@ def worker_command(args, sizes: list[int], out: str) -> list[str]:
             "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS", "-x", "PYTHONUNBUFFERED",
             sys.executable, "-m", "ashl.bench.transport_worker",
             "--sizes", ",".join(map(str, sizes)), "--repeat", str(args.repeat),
-            "--warmup", str(args.warmup), "--poll-s", repr(args.poll_s), "--out", out]
+            "--warmup", str(args.warmup), "--poll-s", repr(args.poll_s),
+            "--hold-s", repr(args.hold_s), "--hold-repeat", str(args.hold_repeat), "--out", out]
 
 
 def run_worker(args, sizes: list[int]) -> dict:
@@ -126,53 +146,94 @@ def transport_row(times_s: list[float], nbytes: int, corrupt: int) -> dict:
 
 
 def size_row(raw: dict) -> dict:
-    """One size: both transports, and zmq/mpi round by round."""
+    """One size: every transport, and zmq/mpi and inproc/mpi-self round by round."""
     n, times = raw["bytes"], raw["times_s"]
     row = {"bytes": n, "size": format_size(n), "zmq_endpoint": raw["zmq_endpoint"]}
-    row.update({t: transport_row(times[t], n, raw["corrupt"][t]) for t in TRANSPORTS})
-    row["zmq_over_mpi"] = spread([z / m for z, m in zip(times["zmq"], times["mpi"])])
+    row.update({t: transport_row(times[t], n, raw["corrupt"][t]) for t in ALL})
+    for key, (a, b) in RATIOS.items():
+        row[key] = spread([x / y for x, y in zip(times[a], times[b])])
     return row
+
+
+def shares(rounds: list[dict]) -> dict:
+    """Held rounds -> the CPU share (CPU s / wall s) and wake-ups per second, each as
+    median, min, max, n."""
+    return {"cpu_share": spread([r["cpu_s"] / r["wall_s"] for r in rounds]),
+            "wakeups_per_s": spread([r["wakeups"] / r["wall_s"] for r in rounds])}
+
+
+def idle_rows(idle: "dict | None") -> "dict | None":
+    """Per transport: the server thread's and the waiting rank's shares() over the holds."""
+    if not idle:
+        return None
+    return {t: {side: shares(idle[t][side]) for side in ("server", "waiting")} for t in idle}
 
 
 def summarize(raw: dict, args) -> dict:
     """The report: how it was measured (so a JSON file explains itself), then a row a size."""
     rows = [size_row(r) for r in raw["sizes"]]
-    corrupt = sum(r[t]["corrupt"] for r in rows for t in TRANSPORTS)
+    corrupt = sum(r[t]["corrupt"] for r in rows for t in ALL)
     return {"benchmark": "transport", **raw["environment"], "ranks": 2,
             "repeat": args.repeat, "warmup": args.warmup, "mpi_poll_s": raw["mpi_poll_s"],
-            "transports": list(TRANSPORTS),
-            "server": "a thread on rank 0 (as ashl's ServerThread), rank 1 commits",
+            "transports": list(ALL),
+            "server": "a thread on rank 0 (as ashl's ServerThread); rank 1 commits over mpi "
+                      "and zmq (tcp), rank 0's main thread over mpi-self and inproc",
             "order": "per size, one round trip per transport a round, mpi first in even rounds",
-            "bytes_per_mb": 1e6, "corrupt_round_trips": corrupt, "results": rows}
+            "bytes_per_mb": 1e6, "corrupt_round_trips": corrupt, "results": rows,
+            "hold_s": raw.get("hold_s"), "idle": idle_rows(raw.get("idle"))}
+
+
+def _cell(s: dict, scale: float = 1.0, fmt: str = ".2f") -> str:
+    return (f"{s['median'] * scale:{fmt}} [{s['min'] * scale:{fmt}}-{s['max'] * scale:{fmt}}]"
+            if s["n"] else "-")
 
 
 def _cells(row: dict) -> list[str]:
     out = [row["size"]]
-    for t in TRANSPORTS:
+    for t in ALL:
         r = row[t]
         out += [f"{r['median_ms']:.3f} [{r['min_ms']:.3f}-{r['max_ms']:.3f}]",
                 f"{r['mb_per_s']:.1f}"]
-    q = row["zmq_over_mpi"]
-    out.append(f"{q['median']:.2f} [{q['min']:.2f}-{q['max']:.2f}]")
-    bad = [t for t in TRANSPORTS if row[t]["corrupt"]]
+    out += [_cell(row[key]) for key in RATIOS]
+    bad = [t for t in ALL if row[t]["corrupt"]]
     return out + [("CORRUPT: " + ",".join(bad)) if bad else ""]
 
 
-def format_table(result: dict) -> str:
-    head = ["size"] + [h for t in TRANSPORTS for h in (f"{t} ms", f"{t} MB/s")] + ["zmq/mpi", ""]
-    body = [_cells(r) for r in result["results"]]
+def _table(head: list[str], body: list[list[str]]) -> list[str]:
     widths = [max(len(c) for c in col) for col in zip(head, *body)]
 
     def line(cells):
         return "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
                          for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
 
+    return [line(head), "-" * len(line(head))] + [line(c) for c in body]
+
+
+def format_idle(result: dict) -> list[str]:
+    idle = result.get("idle")
+    if not idle:
+        return []
+    head = ["transport", "server thread CPU %", "server wake-ups/s", "waiting rank CPU %",
+            "waiting wake-ups/s"]
+    body = [[t, _cell(v["server"]["cpu_share"], 100), _cell(v["server"]["wakeups_per_s"], 1, ".0f"),
+             _cell(v["waiting"]["cpu_share"], 100), _cell(v["waiting"]["wakeups_per_s"], 1, ".0f")]
+            for t, v in idle.items()]
+    n = next(iter(idle.values()))["server"]["cpu_share"]["n"]
+    title = (f"idle cost: the server holds each commit {result['hold_s']:g} s; median "
+             f"[min-max] of {n}")
+    return ["", title] + _table(head, body)
+
+
+def format_table(result: dict) -> str:
+    head = (["size"] + [h for t in ALL for h in (f"{t} ms", f"{t} MB/s")]
+            + ["zmq/mpi", "inproc/mpi-self", ""])
     title = (f"commit round trip on {result['host']} ({result['cpus']} cpus), 2 ranks, "
              f"{result['mpi_library'].split(',')[0]}, ZeroMQ {result['zmq_version']}: median "
              f"[min-max] of {result['repeat']} after {result['warmup']} warm-up, MPI polled "
-             f"every {result['mpi_poll_s']:g} s; MB/s = 2 x size / median")
-    rule = "-" * len(line(head))
-    return "\n".join([title, line(head), rule] + [line(c) for c in body])
+             f"every {result['mpi_poll_s']:g} s; MB/s = 2 x size / median; mpi-self and "
+             "inproc: the server rank's own commits")
+    body = [_cells(r) for r in result["results"]]
+    return "\n".join([title] + _table(head, body) + format_idle(result))
 
 
 def write_json(result: dict, path: str) -> None:

@@ -30,12 +30,29 @@ _REGISTRY = {
 }
 STRATEGIES = tuple(_REGISTRY)
 BASELINES = ("bsp", "localsgd", "ssp", "asp", "adsp", "diloco", "async-localsgd")
+# Those that train through the parameter server (parameter_server.py), which take transport=.
+PARAMETER_SERVER = ("ashl", "ssp", "asp", "adsp", "async-localsgd")
 # fault_tolerant=True: the asynchronous strategies, which need no round of every rank; the
 # synchronous ones (bsp, ashl-sync, localsgd, diloco) are fail-stop.
-FAULT_TOLERANT = ("ashl", "ssp", "asp", "adsp", "async-localsgd")
+FAULT_TOLERANT = PARAMETER_SERVER
+# How commits travel (ashl.transport): ZeroMQ (event-driven waits, the server rank's own
+# commits in-process) or MPI point-to-point (sleep-polled; for fabrics where MPI is faster).
+TRANSPORTS = ("zmq", "mpi")
+DEFAULT_TRANSPORT = "zmq"
 # Those with save_checkpoint / load_checkpoint (bsp and ashl-sync keep base.Strategy's, which
 # raise): named here so a command line can refuse the others before torch or MPI start.
 CHECKPOINTING = tuple(s for s in STRATEGIES if s not in ("bsp", "ashl-sync"))
+
+
+def transport_problem(transport, fault_tolerant: bool = False) -> "str | None":
+    """Why `transport` cannot carry a run's commits (None if it can): an unknown name, or
+    a fault-tolerant run over MPI (a lost rank is seen only through ZeroMQ's connections)."""
+    if transport not in TRANSPORTS:
+        return f"unknown transport {transport!r} (known: {', '.join(TRANSPORTS)})"
+    if fault_tolerant and transport != "zmq":
+        return (f"a fault-tolerant run needs transport 'zmq', not {transport!r} (a lost rank "
+                "is seen through ZeroMQ's connections; over MPI it ends the whole job)")
+    return None
 
 
 def strategy_class(name: str):

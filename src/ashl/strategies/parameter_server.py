@@ -34,6 +34,7 @@ from ..server import ParameterServer, ServerThread
 from ..stages import Stage, StageConfig
 from ..torch.exit import start_watchdog
 from ..transport import ZmqRankEnd, advertised_hosts, open_ends
+from . import DEFAULT_TRANSPORT, transport_problem
 from .base import Strategy
 from .model_state import verify_same_model
 from .runtime import world_comm
@@ -53,6 +54,14 @@ def check_fault_tolerance(fault_tolerant, timeout_s) -> bool:
     if not positive_seconds(timeout_s):
         raise ValueError(f"fault_timeout_s must be a number of seconds > 0, got {timeout_s!r}")
     return fault_tolerant
+
+
+def check_transport(transport, fault_tolerant: bool) -> str:
+    """transport= must be 'zmq' or 'mpi', and 'zmq' for a fault-tolerant run."""
+    problem = transport_problem(transport, fault_tolerant)
+    if problem is not None:
+        raise ValueError(f"transport={transport!r}: {problem}")
+    return transport
 
 
 def join_endpoint(fault_tolerant: bool) -> Optional[str]:
@@ -88,8 +97,10 @@ class ServerStrategy(Strategy):
                  drift_config: Optional[DriftConfig] = None,
                  evaluate=None, eval_every_s: float = 2.0, poll_s: float = 2e-4,
                  heterogeneity=None, profile_steps: int = 10, fault_tolerant: bool = False,
-                 fault_timeout_s: float = 5.0, startup_timeout_s: Optional[float] = None):
+                 fault_timeout_s: float = 5.0, startup_timeout_s: Optional[float] = None,
+                 transport: str = DEFAULT_TRANSPORT):
         self.fault_tolerant = check_fault_tolerance(fault_tolerant, fault_timeout_s)
+        self.transport = check_transport(transport, self.fault_tolerant)
         self.fault_timeout_s = float(fault_timeout_s)
         # A replacement for a lost rank (ASHL_JOIN=tcp://host:port) starts alone and takes
         # the slot, size and server rank the run's server gives it (_join).
@@ -124,6 +135,7 @@ class ServerStrategy(Strategy):
             self.mc.coordinator.plan_for = self.plan_for_survivors
         self.wire = world.Dup()              # commits and replies: a tag space of their own
         self.server_end, end = open_ends(self.wire, server_rank, self.numel,
+                                         transport=self.transport,
                                          fault_tolerant=self.fault_tolerant,
                                          timeout_s=self.fault_timeout_s, poll_s=poll_s,
                                          server_error=self._server_error, join=self.join)
@@ -477,6 +489,7 @@ class ServerStrategy(Strategy):
         c = super().counters()
         c["version"] = self.version
         c["accepted"] = self.accepted
+        c["transport"] = self.transport
         if self.join is not None:
             c["replaced_rank"] = self.rank if self.planned else None
         if self.server is not None:
