@@ -43,7 +43,7 @@ from typing import Optional, Sequence
 
 from .cli import (OneLineParser, OptionError, add_checkpoint_options, add_run_options,
                   check_checkpoint_options, check_factor_count, check_fault_tolerant,
-                  check_outer, check_run_options, check_strategy, checkpoint_path,
+                  check_outer, check_overlap, check_run_options, check_strategy, checkpoint_path,
                   parse_factors, parse_link)
 from .emulation import Heterogeneity, step_time_from_env
 from .strategies import STRATEGIES
@@ -121,6 +121,8 @@ def check_options(args: argparse.Namespace) -> argparse.Namespace:
                     f"--outer-optimizer {args.outer_optimizer!r}")
     if args.fault_tolerant:
         check_fault_tolerant(args.strategy, args.fault_timeout)
+    if args.overlap:
+        check_overlap(args.strategy)
     if args.max_seconds is None and args.max_commits is None and args.target_accuracy is None:
         raise OptionError("no stop condition: give --max-seconds, --max-commits or "
                           "--target-accuracy")
@@ -449,6 +451,8 @@ class Run:
             config["outer_optimizer"] = a.outer_optimizer
         if a.fault_tolerant:
             config.update(fault_tolerant=True, fault_timeout_s=a.fault_timeout)
+        if a.overlap:
+            config["overlap"] = True
         if self.lead:
             config["evaluate"] = self.on_evaluate
         # Ranks finish importing and loading at different times (a loaded host skews them by
@@ -628,6 +632,7 @@ def build_summary(args, everyone: Sequence[dict], rows: Sequence[dict], wall: fl
         "evaluations": len(rows),
         "stop_reason": stop_reason,
         "fault_tolerant": bool(getattr(args, "fault_tolerant", False)),
+        "overlap": bool(getattr(args, "overlap", False)),
         # ranks a fault-tolerant run lost; in such a run per_rank holds rank 0 alone (the
         # others' counters would need a collective) and server.merged_by the rest
         "lost_ranks": counters[0].get("lost_ranks", []) if counters else [],

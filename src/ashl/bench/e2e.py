@@ -44,7 +44,7 @@ from ..cli import (OptionError, add_run_options, check_factor_count, check_run_o
                    split_variant)
 from ..emulation import DEFAULT_LINK
 from ..launch_env import launch_env
-from ..strategies import STRATEGIES
+from ..strategies import OVERLAPPING, STRATEGIES
 
 PROG = "ashl.bench e2e"
 
@@ -168,6 +168,8 @@ def train_command(args, strategy: str, run_dir: str, compute: Sequence[float],
         cmd += ["--target-accuracy", f"{args.target_accuracy:g}"]
     if args.eval_every is not None:
         cmd += ["--eval-every", f"{args.eval_every:g}"]
+    if args.overlap and strategy in OVERLAPPING:   # the others have no commit in flight
+        cmd += ["--overlap"]
     if hosts is not None:
         cmd = hosts.command(0, cmd)
     return cmd
@@ -526,6 +528,7 @@ def scenario(args, setup: Setup) -> dict:
         "link_base": (None if args.netns else
                       args.link_base or f"{DEFAULT_LINK.latency_s:g},{DEFAULT_LINK.bytes_per_s:g}"),
         "netns": bool(args.netns),
+        "overlap": bool(args.overlap),   # the parameter-server strategies' commits overlap
         "model": args.model, "dataset": args.dataset, "seed": args.seed, "seeds": setup.seeds,
         "batch_size": args.batch_size, "lr": args.lr,
         "target_accuracy": args.target_accuracy, "max_seconds": args.max_seconds,

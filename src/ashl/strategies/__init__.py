@@ -33,6 +33,8 @@ BASELINES = ("bsp", "localsgd", "ssp", "asp", "adsp", "diloco", "async-localsgd"
 # fault_tolerant=True: the asynchronous strategies, which need no round of every rank; the
 # synchronous ones (bsp, ashl-sync, localsgd, diloco) are fail-stop.
 FAULT_TOLERANT = ("ashl", "ssp", "asp", "adsp", "async-localsgd")
+# overlap=True: the parameter-server strategies, whose commits travel while a rank steps on
+OVERLAPPING = FAULT_TOLERANT
 # Those with save_checkpoint / load_checkpoint (bsp and ashl-sync keep base.Strategy's, which
 # raise): named here so a command line can refuse the others before torch or MPI start.
 CHECKPOINTING = tuple(s for s in STRATEGIES if s not in ("bsp", "ashl-sync"))
