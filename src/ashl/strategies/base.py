@@ -286,7 +286,7 @@ class Strategy:
         if self.stage is Stage.PROFILE:
             self.profiler.record("compute", dt)
         self._between_steps()
-        if self._round_done() and not self.finished:
+        if not self.finished and self._round_done():
             t0, evals = time.perf_counter(), self.evaluations.spent_s
             if not self.planned:
                 self._plan()
