@@ -216,3 +216,23 @@ def test_client_without_a_link_takes_the_reply_at_the_first_poll():
     client.begin(Compression.none.compress(torch.zeros(N)), commit_args())
     reply = client.reply(wait=False)
     assert reply is not None and reply.version == 7 and client.inflight is None
+
+
+@pytest.mark.parametrize("strategy", ["bsp", "ashl-sync", "localsgd", "diloco"])
+def test_overlap_is_refused_where_nothing_is_in_flight(strategy):
+    from ashl.torch.optimizer import _strategy_options
+    with pytest.raises(ValueError, match="overlap=True"):
+        _strategy_options(strategy, 3, {"overlap": True})
+    assert _strategy_options(strategy, 3, {"overlap": False})["overlap"] is False
+
+
+@pytest.mark.parametrize("strategy", ["ashl", "ssp", "asp", "adsp", "async-localsgd"])
+def test_overlap_reaches_a_parameter_server_strategy(strategy):
+    from ashl.torch.optimizer import _strategy_options
+    assert _strategy_options(strategy, 3, {"overlap": True})["overlap"] is True
+
+
+def test_the_strategy_refuses_an_overlap_that_is_not_a_bool():
+    from ashl.strategies.parameter_server import check_overlap
+    with pytest.raises(ValueError, match="overlap must be True or False"):
+        check_overlap("yes")
