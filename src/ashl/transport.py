@@ -414,8 +414,8 @@ class ZmqRankEnd(RankEnd):
                                  f"{self.timeout_s:g} s")
 
     def poll(self, timeout_s: float = 0.0) -> bool:
-        """As recv's wait, in slices: the disconnect it sees is remembered across calls
-        (what arrived before it is still the server's, for DRAIN_S)."""
+        """As recv's wait, in slices: the disconnect it sees is remembered across calls until
+        a reconnect (what arrived before it is still the server's, for DRAIN_S)."""
         import zmq
         from zmq.utils.monitor import recv_monitor_message
         deadline = time.monotonic() + timeout_s
@@ -427,6 +427,8 @@ class ZmqRankEnd(RankEnd):
                 event = recv_monitor_message(self.monitor)["event"]
                 if event == zmq.EVENT_DISCONNECTED:
                     self._lost_at = getattr(self, "_lost_at", None) or time.monotonic()
+                elif event == zmq.EVENT_CONNECTED:   # back again: it was a passing drop
+                    self._lost_at = None
                 self.connected = self.connected or event == zmq.EVENT_CONNECTED
             error = self.server_error()
             if error is not None:
