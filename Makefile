@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 
-.PHONY: all bootstrap build test demo bench bench-kernels bench-e2e bench-e2e-netns bench-outer bench-script bench-transport clean distclean
+.PHONY: all bootstrap build test demo bench bench-kernels bench-e2e bench-scale bench-e2e-netns bench-outer bench-script bench-transport clean distclean
 
 all: build
 
@@ -30,18 +30,20 @@ test: build
 	@$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
-# The main job: ashl against Horovod's BSP and local SGD on 4 emulated heterogeneous ranks
-# (compute and link slowdowns 1,1,2,4), embedded digits data; prints the table and the plot;
-# then the homogeneous control (every factor 1: ashl against bsp).
+# The main job, short: the default scenario (MNIST, a 1M-parameter CNN, 4 emulated GPUs of
+# speeds 1,1,2,4 on links of the same factors, ResNet-18-like communication) with 25 ms steps
+# instead of 80 ms: ashl against Horovod's BSP and local SGD; then the homogeneous control
+# (every factor 1: ashl against bsp). Prints the tables and the plots' paths (~3 minutes).
 DEMO_RANKS ?= 4
+DEMO_ARGS ?= --step-time 0.025 --ranks $(DEMO_RANKS)
 demo: build
 	@mkdir -p $(OUT)/demo $(OUT)/demo-homogeneous
-	$(PY) -m ashl.bench e2e --strategies ashl,bsp,localsgd --ranks $(DEMO_RANKS) \
+	$(PY) -m ashl.bench e2e --strategies ashl,bsp,localsgd $(DEMO_ARGS) \
 	    --json $(OUT)/demo/e2e.json
-	$(PY) -m ashl.bench e2e --homogeneous --strategies ashl,bsp --ranks $(DEMO_RANKS) \
+	$(PY) -m ashl.bench e2e --homogeneous --strategies ashl,bsp $(DEMO_ARGS) \
 	    --json $(OUT)/demo-homogeneous/e2e.json
 
-bench: bench-kernels bench-e2e bench-script bench-outer bench-transport
+bench: bench-kernels bench-e2e bench-scale bench-script bench-outer bench-transport
 
 bench-kernels: build
 	@mkdir -p $(OUT)
@@ -61,13 +63,27 @@ bench-script: build
 	$(PY) -m ashl.bench script --json $(OUT)/script/script.json
 	$(PY) -m ashl.bench script --compute-slowdown 1,1,1 --json $(OUT)/script/homogeneous.json
 
+# The default scenario, every strategy, 3 seeds (about 30 minutes), then the homogeneous
+# control with ashl and bsp.
 bench-e2e: build
 	@mkdir -p $(OUT)/e2e $(OUT)/e2e-homogeneous
-	$(PY) -m ashl.bench e2e --json $(OUT)/e2e/e2e.json
-	$(PY) -m ashl.bench e2e --homogeneous --json $(OUT)/e2e-homogeneous/e2e.json
+	$(PY) -m ashl.bench e2e --seeds 0,1,2 --json $(OUT)/e2e/e2e.json
+	$(PY) -m ashl.bench e2e --homogeneous --strategies ashl,bsp --seeds 0,1,2 \
+	    --json $(OUT)/e2e-homogeneous/e2e.json
+
+# The same scenario at 4, 8 and 16 ranks (100 ms steps, 40 s per run): throughput against
+# the ideal, commit latency and the server thread's load against the rank count.
+bench-scale: build
+	@mkdir -p $(OUT)/scale
+	$(PY) -m ashl.bench scale --json $(OUT)/scale/scale.json
+
+# The first benchmark's scenario, kept for the results recorded on it: digits and an MLP,
+# real-speed steps, the 1 Gbit/s emulated link, target 0.93.
+DIGITS_SCENARIO ?= --model mlp --dataset digits --target-accuracy 0.93 --step-time 0 \
+    --max-seconds 60
 
 # ashl with and without each outer optimizer against the 2024 rivals (diloco, async-localsgd),
-# 3 seeds each: the default scenario (heterogeneous and homogeneous), then with GPU-like
+# 3 seeds each: the digits scenario (heterogeneous and homogeneous), then with GPU-like
 # 10 ms steps to a 0.96 target (docs/BENCHMARKS.md).
 OUTER_STRATEGIES ?= ashl,ashl+nesterov(0.7, 0.5),ashl+delayed-nesterov(0.7, 0.5),$\
     ashl+delayed-nesterov(0.7, 0.9),ashl-sync,ashl-sync+nesterov(0.7, 0.5),diloco,$\
@@ -75,23 +91,24 @@ OUTER_STRATEGIES ?= ashl,ashl+nesterov(0.7, 0.5),ashl+delayed-nesterov(0.7, 0.5)
 OUTER_GPU_STRATEGIES ?= ashl,ashl+nesterov(0.7, 0.5),ashl+delayed-nesterov(0.7, 0.5),$\
     ashl-sync,ashl-sync+nesterov(0.7, 0.5),diloco,diloco+nesterov(0.7, 0.5),async-localsgd,$\
     localsgd,bsp
-OUTER_GPU_ARGS ?= --target-accuracy 0.96 --eval-every 0.1 --max-seconds 60
+OUTER_GPU_ARGS ?= --model mlp --dataset digits --step-time 0.01 --link-base 5e-4,125e6 \
+    --target-accuracy 0.96 --eval-every 0.1 --max-seconds 60
 bench-outer: build
 	@mkdir -p $(OUT)/outer $(OUT)/outer-homogeneous $(OUT)/outer-gpu $(OUT)/outer-gpu-homogeneous
-	$(PY) -m ashl.bench e2e --strategies '$(OUTER_STRATEGIES)' --seeds 0,1,2 --max-seconds 30 \
-	    --json $(OUT)/outer/e2e.json
+	$(PY) -m ashl.bench e2e --strategies '$(OUTER_STRATEGIES)' --seeds 0,1,2 \
+	    $(DIGITS_SCENARIO) --max-seconds 30 --json $(OUT)/outer/e2e.json
 	$(PY) -m ashl.bench e2e --homogeneous --strategies '$(OUTER_STRATEGIES)' --seeds 0,1,2 \
-	    --max-seconds 30 --json $(OUT)/outer-homogeneous/e2e.json
-	ASHL_EMULATE_STEP_TIME=0.01 $(PY) -m ashl.bench e2e --strategies '$(OUTER_GPU_STRATEGIES)' \
+	    $(DIGITS_SCENARIO) --max-seconds 30 --json $(OUT)/outer-homogeneous/e2e.json
+	$(PY) -m ashl.bench e2e --strategies '$(OUTER_GPU_STRATEGIES)' \
 	    --seeds 0,1,2 $(OUTER_GPU_ARGS) --json $(OUT)/outer-gpu/e2e.json
-	ASHL_EMULATE_STEP_TIME=0.01 $(PY) -m ashl.bench e2e --homogeneous \
+	$(PY) -m ashl.bench e2e --homogeneous \
 	    --strategies '$(OUTER_GPU_STRATEGIES)' --seeds 0,1,2 $(OUTER_GPU_ARGS) \
 	    --json $(OUT)/outer-gpu-homogeneous/e2e.json
 
 # Real shaped links between emulated hosts (root: network namespaces, tc), beside the emulated
 # links on the same 3-rank cluster (docs/BENCHMARKS.md).
 E2E_NETNS_ARGS ?= --strategies ashl,ashl-sync,bsp,localsgd --ranks 3 --compute-slowdown 1,2,4 \
-    --link-slowdown 1,2,4
+    --link-slowdown 1,2,4 $(DIGITS_SCENARIO)
 bench-e2e-netns: build
 	$(PY) -m ashl.bench e2e --netns $(E2E_NETNS_ARGS) --json $(OUT)/e2e-netns/e2e.json
 	$(PY) -m ashl.bench e2e $(E2E_NETNS_ARGS) --json $(OUT)/e2e-emulated3/e2e.json

@@ -34,9 +34,11 @@ if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split(
     "${PIP[@]}" install "torch==$TORCH_VERSION"
 fi
 TOOLS=(numpy pybind11 ninja "cmake>=3.27,<4" scikit-learn matplotlib tqdm pytest pytest-timeout
-       hypothesis packaging wheel "setuptools>=64" psutil cloudpickle pyyaml cffi atheris pyzmq)
+       hypothesis packaging wheel "setuptools>=64" psutil cloudpickle pyyaml cffi atheris pyzmq
+       mlxtend)
 TOOL_MODULES="numpy, pybind11, ninja, cmake, sklearn, matplotlib, tqdm, pytest, pytest_timeout"
 TOOL_MODULES+=", hypothesis, packaging, wheel, setuptools, psutil, cloudpickle, yaml, cffi, atheris, zmq"
+TOOL_MODULES+=", mlxtend"
 if ! "$VENV/bin/python" -c "import $TOOL_MODULES" 2>/dev/null; then
     log "installing the Python tools"
     "${PIP[@]}" install "${TOOLS[@]}"

@@ -21,7 +21,7 @@ from .emulation import DEFAULT_LINK, Link
 from .outer_spec import OuterSpecError, parse_outer
 from .strategies import CHECKPOINTING, FAULT_TOLERANT, OVERLAPPING, STRATEGIES
 
-DATASET_HELP = "digits (default), synthetic[:N], cifar10:DIR"
+DATASET_HELP = "digits (default), mnist, synthetic[:N], cifar10:DIR"
 FACTORS_EXAMPLE = "1,1,2,4"
 CHECKPOINT_FILE = "ckpt.pt"          # the run's file; each rank's part is ckpt.pt.rank<r>
 CHECKPOINT_EVERY = 30.0              # seconds, when --checkpoint-every is not given
@@ -55,14 +55,17 @@ class OneLineParser(argparse.ArgumentParser):
 # ------------------------------------------------------------------------------ options
 def add_run_options(parser: argparse.ArgumentParser, *, max_seconds: float,
                     target_accuracy: Optional[float],
-                    factors_default: str = "off by default", link_base_note: str = "") -> None:
-    """The options of one training job. Each CLI sets its own `max_seconds` and
-    `target_accuracy` defaults, the help text of the slowdown lists' default, and a note
-    on --link-base."""
+                    factors_default: str = "off by default", link_base_note: str = "",
+                    model: str = "mlp", dataset: str = "digits",
+                    step_time: Optional[float] = None) -> None:
+    """The options of one training job. Each CLI sets its own defaults (`max_seconds`,
+    `target_accuracy`, `model`, `dataset`, `step_time`), the help text of the slowdown
+    lists' default, and a note on --link-base."""
     p = parser
-    p.add_argument("--model", default="mlp",
-                   help="mlp, cnn (small images such as digits); resnet18, vgg16 (32x32 images)")
-    p.add_argument("--dataset", default="digits", help=DATASET_HELP)
+    p.add_argument("--model", default=model,
+                   help="mlp, cnn (small images such as digits); mnistnet (28x28 images, 1.0M "
+                        "parameters); resnet18, vgg16 (32x32 images)")
+    p.add_argument("--dataset", default=dataset, help=DATASET_HELP)
     p.add_argument("--compute-slowdown", default=None, metavar="F0,F1,...",
                    help=f"per-rank compute slowdown factors >= 1 (missing ranks: 1); "
                         f"{factors_default}")
@@ -72,6 +75,12 @@ def add_run_options(parser: argparse.ArgumentParser, *, max_seconds: float,
     p.add_argument("--link-base", default=None, metavar="LATENCY_S,BYTES_PER_S",
                    help=f"the factor-1 emulated link (default {DEFAULT_LINK.latency_s:g} s, "
                         f"{DEFAULT_LINK.bytes_per_s:g} B/s){link_base_note}")
+    p.add_argument("--step-time", type=float, default=step_time, metavar="S",
+                   help="GPU-like steps: a rank's step lasts its compute factor x S seconds of "
+                        "wall time, the real work inside it; 0: steps at their real speed "
+                        "(default: "
+                        f"{'ASHL_EMULATE_STEP_TIME, else 0' if step_time is None else step_time}"
+                        "); a step whose real work overruns it is counted")
     p.add_argument("--target-accuracy", type=float, default=target_accuracy,
                    help="stop once rank 0's test accuracy reaches this (0 < a <= 1)")
     p.add_argument("--max-seconds", type=float, default=max_seconds,
@@ -81,7 +90,7 @@ def add_run_options(parser: argparse.ArgumentParser, *, max_seconds: float,
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--eval-every", type=float, default=None, metavar="SECONDS",
                    help="rank 0 evaluates at most this often (default: 0.25 s on digits and "
-                        "synthetic data, 10 s on CIFAR-10)")
+                        "synthetic data, 1 s on MNIST, 10 s on CIFAR-10)")
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=False,
                    help="parameter-server strategies (" + ", ".join(OVERLAPPING) + "): a rank "
                         "keeps taking local steps while its commit is in flight")
@@ -105,6 +114,10 @@ def check_run_options(args: argparse.Namespace,
         raise OptionError(f"--lr {args.lr:g}: the learning rate must be a finite number > 0")
     if args.seed < 0:
         raise OptionError(f"--seed {args.seed}: must be >= 0")
+    step = args.step_time
+    if step is not None and not (math.isfinite(step) and step >= 0):
+        raise OptionError(f"--step-time {args.step_time:g}: must be a finite number of "
+                          "seconds >= 0 (0: real speed)")
     every = args.eval_every
     if every is not None and not (math.isfinite(every) and every >= 0):
         raise OptionError(f"--eval-every {args.eval_every:g}: must be a number of seconds >= 0")
@@ -287,6 +300,10 @@ def check_dataset_spec(spec: str, must_exist: bool = True) -> tuple[int, ...]:
         if sep:
             raise OptionError(f"--dataset {spec!r}: digits takes no argument")
         return (1, 8, 8)
+    if name == "mnist":
+        if sep:
+            raise OptionError(f"--dataset {spec!r}: mnist takes no argument")
+        return (1, 28, 28)
     if name == "synthetic":
         if sep:
             try:

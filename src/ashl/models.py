@@ -2,6 +2,7 @@
 
     mlp        any input shape: flatten, two hidden layers
     cnn        small inputs (digits' 1x8x8): two 3x3 conv layers, one pool, two linear
+    mnistnet   28x28 inputs (MNIST): Horovod's MNIST example net widened to 1.02M parameters
     resnet18   (C, 32, 32): ResNet-18 as in kuangliu/pytorch-cifar (BasicBlock, BN)
     vgg16      (C, 32, 32): VGG-16 with BN as in kuangliu/pytorch-cifar, Linear(512, classes)
 
@@ -14,7 +15,7 @@ import math
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["MLP", "SmallCNN", "ResNet18", "VGG16", "build_model", "MODELS", "num_parameters"]
+__all__ = ["MLP", "SmallCNN", "MNISTNet", "ResNet18", "VGG16", "build_model", "MODELS", "num_parameters"]
 
 
 def num_parameters(model: nn.Module) -> int:
@@ -48,6 +49,26 @@ class SmallCNN(nn.Module):
         self.classifier = nn.Sequential(
             nn.Flatten(), nn.Linear(2 * width * (h // 2) * (w // 2), 128), nn.ReLU(inplace=True),
             nn.Linear(128, classes))
+
+    def forward(self, x):
+        return self.classifier(self.features(x))
+
+
+class MNISTNet(nn.Module):
+    """The shape of Horovod's pytorch_mnist.py net (two 5x5 convolutions, each pooled, two
+    linear layers), its hidden layer widened so the model has 1,021,034 parameters at 1x28x28:
+    a delta of 4 MB, as a real model's commit is. Most parameters sit in the first linear
+    layer, which is cheap to compute, so many emulated ranks fit on a few cores."""
+
+    def __init__(self, input_shape=(1, 28, 28), classes: int = 10, hidden: int = 1280):
+        super().__init__()
+        c, h, w = input_shape
+        self.features = nn.Sequential(
+            nn.Conv2d(c, 8, 5, padding=2), nn.ReLU(inplace=True), nn.MaxPool2d(2),
+            nn.Conv2d(8, 16, 5, padding=2), nn.ReLU(inplace=True), nn.MaxPool2d(2))
+        self.classifier = nn.Sequential(
+            nn.Flatten(), nn.Linear(16 * (h // 4) * (w // 4), hidden), nn.ReLU(inplace=True),
+            nn.Linear(hidden, classes))
 
     def forward(self, x):
         return self.classifier(self.features(x))
@@ -122,12 +143,13 @@ class VGG16(nn.Module):
         return self.classifier(self.features(x).flatten(1))
 
 
-MODELS = {"mlp": MLP, "cnn": SmallCNN, "resnet18": ResNet18, "vgg16": VGG16}
+MODELS = {"mlp": MLP, "cnn": SmallCNN, "mnistnet": MNISTNet, "resnet18": ResNet18, "vgg16": VGG16}
 _NEEDS_32 = ("resnet18", "vgg16")
 
 
 def build_model(name: str, input_shape, classes: int) -> nn.Module:
-    """A fresh model by name ("mlp", "cnn", "resnet18", "vgg16") for (C, H, W) inputs."""
+    """A fresh model by name ("mlp", "cnn", "mnistnet", "resnet18", "vgg16") for (C, H, W)
+    inputs."""
     key = str(name).strip().lower().replace("-", "").replace("_", "")
     if key not in MODELS:
         raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
@@ -146,4 +168,6 @@ def build_model(name: str, input_shape, classes: int) -> nn.Module:
                          "use 'cnn' or 'mlp' for small images")
     if key == "cnn" and (shape[1] < 2 or shape[2] < 2):
         raise ValueError(f"cnn needs inputs of at least 2x2, got {shape}")
+    if key == "mnistnet" and (shape[1] < 4 or shape[2] < 4):
+        raise ValueError(f"mnistnet needs inputs of at least 4x4, got {shape}")
     return MODELS[key](shape, classes)

@@ -98,6 +98,19 @@ def check_rank_count(args, size: int) -> None:
     check_factor_count("--link-slowdown", args.link_slowdown, args.link_factors, size)
 
 
+def step_time(args: argparse.Namespace) -> Optional[float]:
+    """The emulated step time: --step-time (0: none), else ASHL_EMULATE_STEP_TIME."""
+    if args.step_time is None:
+        return step_time_from_env()
+    return args.step_time or None
+
+
+def default_eval_every(dataset: str) -> float:
+    """Seconds between rank 0's evaluations: a test pass must stay a small part of its time."""
+    name = dataset.strip().lower().partition(":")[0]
+    return {"cifar10": 10.0, "mnist": 1.0}.get(name, 0.25)
+
+
 def check_options(args: argparse.Namespace) -> argparse.Namespace:
     """Everything that needs neither MPI nor torch; fills in parsed values. Raises
     OptionError."""
@@ -113,7 +126,7 @@ def check_options(args: argparse.Namespace) -> argparse.Namespace:
     if not math.isfinite(args.switch_loss):
         raise OptionError(f"--switch-loss {args.switch_loss:g}: must be a finite number")
     if args.eval_every is None:
-        args.eval_every = 10.0 if args.dataset.strip().lower().startswith("cifar10") else 0.25
+        args.eval_every = default_eval_every(args.dataset)
     if args.profile_steps < 3:
         raise OptionError(f"--profile-steps {args.profile_steps}: must be >= 3 (one is warm-up)")
     if args.outer_optimizer is not None:
@@ -396,7 +409,7 @@ class Run:
         self.base_opt = torch.optim.SGD(self.model.parameters(), lr=args.lr, momentum=0.9)
         self.sampler = ashl.HeterogeneousSampler(data.train, seed=args.seed)
         self.hetero = Heterogeneity.for_rank(rank, args.compute_factors, args.link_factors,
-                                             args.link, step_time_from_env())
+                                             args.link, step_time(args))
         self.evaluate = Evaluator(self.model, data.test)
         self.loss = SmoothedLoss()
         self.opt = None

@@ -103,6 +103,7 @@ def test_two_strategies_on_three_shaped_hosts(tmp_path):
     out = tmp_path / "bench" / "e2e.json"   # under /tmp: the runs go via /var/tmp and back
     t0 = time.monotonic()
     proc = bench("--netns", "--ranks", "3", "--strategies", "ashl,bsp",
+                 "--model", "mlp", "--dataset", "digits", "--step-time", "0",
                  "--compute-slowdown", "1,1,1", "--link-slowdown", "1,1,8",
                  "--netns-rate", "40mbit", "--max-seconds", "30", "--target-accuracy", "0.9",
                  "--timeout", "70", "--json", out, timeout=160)

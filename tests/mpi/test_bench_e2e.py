@@ -178,11 +178,12 @@ def test_a_run_past_its_timeout_is_killed_and_reported(tmp_path):
 @pytest.mark.mpi
 @pytest.mark.skipif(_util.skip_reason() is not None, reason=_util.skip_reason() or "")
 def test_two_strategies_on_two_ranks(tmp_path):
+    """The default scenario (MNIST, mnistnet, GPU-like steps, the matched link), shortened."""
     out = tmp_path / "bench" / "e2e.json"
     t0 = time.monotonic()
     proc = bench("--ranks", "2", "--strategies", "ashl,ashl-sync", "--compute-slowdown", "1,3",
-                 "--link-slowdown", "1,2", "--max-seconds", "15", "--target-accuracy", "0.9",
-                 "--timeout", "40", "--json", out, timeout=100)
+                 "--link-slowdown", "1,2", "--step-time", "0.01", "--max-seconds", "30",
+                 "--target-accuracy", "0.9", "--timeout", "60", "--json", out, timeout=160)
     took = time.monotonic() - t0
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     report = json.loads(out.read_text())
@@ -190,6 +191,9 @@ def test_two_strategies_on_two_ranks(tmp_path):
     assert sc["ranks"] == 2 and sc["compute_slowdown"] == [1.0, 3.0]
     assert sc["link_slowdown"] == [1.0, 2.0] and sc["target_accuracy"] == 0.9
     assert sc["name"] == "heterogeneous"
+    assert (sc["model"], sc["dataset"], sc["step_time_s"]) == ("mnistnet", "mnist", 0.01)
+    # the factor-1 link moves the 4 MB model in 0.72 steps (and its 0.5 ms latency)
+    assert sc["comm_compute_ratio"] == pytest.approx(0.72 + 0.05, abs=0.01)
     assert [r["strategy"] for r in report["results"]] == ["ashl", "ashl-sync"]
     for r in report["results"]:
         assert r["status"] == "ok", r
@@ -200,12 +204,18 @@ def test_two_strategies_on_two_ranks(tmp_path):
         assert len(r["utilization"]) == 2 and all(0 < u <= 1.05 for u in r["utilization"])
         assert r["bytes_sent"] > 0 and r["commits"] > 0
         assert (Path(r["run_dir"]) / "summary.json").exists()
+        # ranks of factors 1 and 3 at 10 ms a step: 32 x (100 + 33.3) samples/s at best
+        assert r["ideal_samples_per_s"] == pytest.approx(32 * (100 + 100 / 3))
+        assert 0 < r["throughput_fraction"] <= 1.05
+        assert r["emulated_steps"] > 0 and 0 <= r["overruns"] <= r["emulated_steps"]
     assert report["speedup_of"] == "ashl"
     assert set(report["speedup_vs"]) == {"ashl-sync"} and report["speedup_vs"]["ashl-sync"] > 0
     assert set(report["speedups"]) == {"ashl", "ashl-sync"}
     md = (out.parent / "e2e.md").read_text()
     assert "| ashl |" in md and "| ashl-sync |" in md
     assert "| strategy |" in proc.stdout
-    assert (out.parent / "e2e.png").read_bytes()[:8] == PNG_MAGIC
-    assert f"plot:    {out.parent / 'e2e.png'}" in proc.stdout
+    for png in ("e2e.png", "e2e.utilization.png", "e2e.rounds.png"):
+        assert (out.parent / png).read_bytes()[:8] == PNG_MAGIC
+        assert f"plot:    {out.parent / png}" in proc.stdout
+    assert "| of ideal |" in md
     print(f"e2e with 2 strategies on 2 ranks: {took:.0f} s")

@@ -103,7 +103,9 @@ def test_dataset_specs(tmp_path):
     assert cli.check_dataset_spec("Synthetic:200") == (1, 8, 8)
     assert cli.check_dataset_spec(f"cifar10:{tmp_path}") == (3, 32, 32)
     assert cli.check_dataset_spec("cifar10:/no/such/dir", must_exist=False) == (3, 32, 32)
-    for spec, needle in (("mnist", "unknown dataset"), ("digits:1", "no argument"),
+    assert cli.check_dataset_spec("mnist") == (1, 28, 28)
+    for spec, needle in (("emnist", "unknown dataset"), ("digits:1", "no argument"),
+                         ("mnist:x", "no argument"),
                          ("synthetic:x", "integer"), ("synthetic:19", "N >= 20"),
                          ("cifar10", "cifar10:DIR"), ("cifar10:/no/such/dir", "does not exist")):
         with pytest.raises(cli.OptionError) as e:
@@ -127,8 +129,11 @@ def test_each_cli_keeps_its_own_defaults():
         assert (args.model, args.dataset, args.seed, args.batch_size, args.lr) == \
             ("mlp", "digits", 0, 32, 0.05)
         assert args.compute_slowdown is args.link_slowdown is args.link_base is None
-        assert args.eval_every is None
+        assert args.eval_every is None and args.step_time is None
     assert cli.check_run_options(a) == (1, 8, 8)
+    c = parser(model="mnistnet", dataset="mnist", step_time=0.08).parse_args([])
+    assert (c.model, c.dataset, c.step_time) == ("mnistnet", "mnist", 0.08)
+    assert cli.check_run_options(c) == (1, 28, 28)
 
 
 @pytest.mark.parametrize("argv,needle", [
@@ -137,7 +142,8 @@ def test_each_cli_keeps_its_own_defaults():
     (["--target-accuracy", "0"], "--target-accuracy 0"),
     (["--batch-size", "0"], "--batch-size 0"), (["--lr", "-1"], "--lr -1"),
     (["--lr", "inf"], "--lr inf"), (["--seed", "-1"], "--seed -1"),
-    (["--eval-every", "-1"], "--eval-every -1"), (["--dataset", "mnist"], "--dataset 'mnist'"),
+    (["--eval-every", "-1"], "--eval-every -1"), (["--dataset", "emnist"], "--dataset 'emnist'"),
+    (["--step-time", "-0.1"], "--step-time -0.1: "), (["--step-time", "inf"], "--step-time inf"),
 ])
 def test_bad_shared_values_are_named(argv, needle):
     with pytest.raises(cli.OptionError) as e:
@@ -172,7 +178,7 @@ def test_help_names_every_shared_option():
     text = parser(factors_default="DEFAULT-TEXT", link_base_note="; NOTE").format_help()
     for option in ("--model", "--dataset", "--compute-slowdown", "--link-slowdown", "--link-base",
                    "--target-accuracy", "--max-seconds", "--seed", "--batch-size", "--lr",
-                   "--eval-every"):
+                   "--eval-every", "--step-time"):
         assert option in text
     assert text.count("DEFAULT-TEXT") == 2 and "; NOTE" in text
 
@@ -245,6 +251,19 @@ def test_resume_needs_a_checkpoint_in_the_directory(tmp_path):
         assert str(e.value).startswith(f"--resume: --checkpoint-dir '{directory}' {why}")
     (tmp_path / cli.CHECKPOINT_FILE).write_bytes(b"")   # its contents: the strategy's check
     cli.check_checkpoint_options(ckpt_args("--checkpoint-dir", tmp_path, "--resume"))
+
+
+def test_the_step_time_option_wins_over_the_environment(monkeypatch):
+    from argparse import Namespace
+
+    from ashl.train import default_eval_every, step_time
+    monkeypatch.setenv("ASHL_EMULATE_STEP_TIME", "0.5")
+    assert step_time(Namespace(step_time=None)) == 0.5
+    assert step_time(Namespace(step_time=0.02)) == 0.02
+    assert step_time(Namespace(step_time=0.0)) is None     # 0: real speed, whatever the env
+    monkeypatch.delenv("ASHL_EMULATE_STEP_TIME")
+    assert step_time(Namespace(step_time=None)) is None
+    assert [default_eval_every(d) for d in ("digits", "MNIST", "cifar10:/x")] == [0.25, 1.0, 10.0]
 
 
 # ------------------------------------------------------------------------- --overlap

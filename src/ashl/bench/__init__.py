@@ -12,6 +12,8 @@ SUBCOMMANDS = {
                 "time the fused multi-tensor kernels against torch._foreach_* and flat torch ops"),
     "e2e": ("ashl.bench.e2e",
             "every strategy on the same emulated heterogeneous job: time to target, utilisation"),
+    "scale": ("ashl.bench.scale",
+              "the e2e scenario at 4, 8 and 16 ranks: throughput, commit latency, server load"),
     "script": ("ashl.bench.script",
                "a Horovod script against its three-line ashl conversion: accuracy, wall time"),
     "transport": ("ashl.bench.transport",

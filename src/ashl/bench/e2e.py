@@ -5,6 +5,10 @@ cluster (per-rank compute and link slowdowns), launched as its own
 ``mpirun -np R python -m ashl.train ...`` with a time budget and a timeout. A strategy that
 fails or times out is reported and the others still run.
 
+The default scenario (``ashl.bench.scenario``): real MNIST images, a CNN of 1.02M parameters,
+GPU-like steps of 80 ms x the compute factor, and a factor-1 link that moves the model in
+0.72 steps, as ResNet-18 on V100s over 10 Gbit/s does; target 0.95.
+
 With ``--netns`` (root) the links are real instead of emulated: one emulated host per rank (a
 network namespace ashl-h<i> on a private bridge, ``ashl.netns``), rank i's link shaped with tc
 tbf in both directions to ``--netns-rate`` / its link slowdown factor, every mpirun started on
@@ -18,6 +22,9 @@ Writes (next to ``--json``, default ``out/e2e/e2e.json``):
                "speedup_vs": {baseline: its time to target / ashl's}, ...}
     e2e.md     the table, as printed
     e2e.png    every strategy's test accuracy against wall time
+    e2e.utilization.png   every rank's utilisation, per strategy
+    e2e.rounds.png        one round of the steady state per strategy: who computes, who
+                          commits, who waits
     <strategy>/   each run's own output (summary.json, metrics.jsonl, curves.png, timeline.json,
                   log.txt with its stdout and stderr)
 """
@@ -45,13 +52,14 @@ from ..cli import (OptionError, add_run_options, check_factor_count, check_run_o
 from ..emulation import DEFAULT_LINK
 from ..launch_env import launch_env
 from ..strategies import OVERLAPPING, STRATEGIES
+from . import report as figures
+from . import scenario as default_scenario
 
 PROG = "ashl.bench e2e"
 
 # The order of the comparison; only those in STRATEGIES run by default.
 DEFAULT_ORDER = ("ashl", "ashl-sync", "bsp", "localsgd", "ssp", "asp", "adsp")
 ASHL_FAMILY = ("ashl", "ashl-sync")
-DEFAULT_TARGET = 0.93     # digits / MLP: every reasonable strategy gets there in seconds
 # --netns: the factor-1 link. The digits MLP's ~69 KB push takes ~5.5 ms at 100 Mbit/s and ~22 ms
 # on a factor-4 link (25 Mbit/s), against 1-4 ms local steps.
 DEFAULT_NETNS_RATE = "100mbit"
@@ -64,7 +72,8 @@ def default_strategies() -> list[str]:
            [s for s in STRATEGIES if s not in DEFAULT_ORDER]
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: argparse.ArgumentParser, ranks: bool = True) -> None:
+    """e2e's options (`ranks`: with --ranks; ashl.bench scale has a list of its own)."""
     p.add_argument("--strategies", default=None,
                    help=f"comma-separated (default: those of {','.join(DEFAULT_ORDER)} that exist; "
                         f"now {','.join(default_strategies())}); STRATEGY+SPEC runs it with that "
@@ -72,10 +81,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seeds", default=None, metavar="S0,S1,...",
                    help="run every strategy once per seed; the table shows medians [min-max] "
                         "(default: --seed alone)")
-    p.add_argument("--ranks", type=int, default=4)
-    add_run_options(p, max_seconds=60.0, target_accuracy=DEFAULT_TARGET,
+    if ranks:
+        p.add_argument("--ranks", type=int, default=4)
+    d = default_scenario
+    add_run_options(p, max_seconds=d.MAX_SECONDS, target_accuracy=d.TARGET_ACCURACY,
+                    model=d.MODEL, dataset=d.DATASET, step_time=d.STEP_TIME_S,
                     factors_default="default 1,1,2,4 on 4 ranks (see default_factors for "
-                                    "other rank counts)")
+                                    "other rank counts)",
+                    link_base_note="; in this benchmark, with --step-time, the default is the "
+                                   "link that moves the model in "
+                                   f"{d.COMM_COMPUTE_RATIO:.2f} x the step time")
     p.add_argument("--homogeneous", action="store_true",
                    help="the control scenario: every factor 1 (the factor-1 link still emulated)")
     p.add_argument("--full-budget", action="store_true",
@@ -162,6 +177,8 @@ def train_command(args, strategy: str, run_dir: str, compute: Sequence[float],
     cmd += ["--max-seconds", f"{args.max_seconds:g}", "--seed", str(seed),
             "--batch-size", str(args.batch_size), "--lr", f"{args.lr:g}",
             "--out", run_dir, "--no-progress"]
+    if args.step_time is not None:
+        cmd += ["--step-time", f"{args.step_time:g}"]
     if args.link_base and hosts is None:
         cmd += ["--link-base", args.link_base]
     if not args.full_budget:
@@ -253,7 +270,8 @@ def read_summary(run_dir: str, target: float) -> dict:
         s = json.load(f)
     return dict(time_to_target_s=_time_to_target(_metrics(run_dir), target),
                 **{key: s.get(key) for key in ("final_accuracy", "utilization", "bytes_sent",
-                                               "commits", "local_steps", "wall_s", "stop_reason")})
+                                               "commits", "local_steps", "wall_s", "stop_reason")},
+                **figures.throughput(s))
 
 
 def _tail(path: str, n: int) -> str:
@@ -297,7 +315,7 @@ def speedups(results: Sequence[dict], of: str) -> tuple[dict, dict]:
 def table(results: Sequence[dict], target: float, of: Optional[str],
           exact: dict, at_least: dict) -> str:
     head = ["strategy", f"time to {target:g} [s]", "final acc", "util mean", "util min",
-            "MB sent", "commits", "wall [s]"]
+            "of ideal", "MB sent", "commits", "wall [s]", "overruns"]
     if of:
         head.append(f"{of} speedup")
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
@@ -309,9 +327,11 @@ def table(results: Sequence[dict], target: float, of: Optional[str],
             row = [r["strategy"], _time_cell(r), _accuracy_cell(r),
                    f"{sum(util) / len(util):.0%}" if util else "-",
                    f"{min(util):.0%}" if util else "-",
+                   _fraction_cell(r),
                    f"{(r.get('bytes_sent') or 0) / 1e6:.1f}",
                    str(r.get("commits", "-")),
-                   "-" if r.get("wall_s") is None else f"{r['wall_s']:.1f}"]
+                   "-" if r.get("wall_s") is None else f"{r['wall_s']:.1f}",
+                   _overrun_cell(r)]
             if of:
                 if r["strategy"] == of:
                     row.append("1.00")
@@ -335,6 +355,21 @@ def _time_cell(r: dict) -> str:
     return text + (f" ({failed} of {r['seeds_run']} seeds failed)" if failed else "")
 
 
+def _fraction_cell(r: dict) -> str:
+    """Throughput as a fraction of the ideal (every rank at its own speed, never waiting)."""
+    f = r.get("throughput_fraction")
+    if f is None:
+        return "-"
+    span = r.get("throughput_fraction_range")
+    return f"{f:.0%}" + (f" [{span[0]:.0%}-{span[1]:.0%}]" if span else "")
+
+
+def _overrun_cell(r: dict) -> str:
+    """Emulated steps whose real work overran the step time: a loaded machine shows here."""
+    steps = r.get("emulated_steps") or 0
+    return "-" if not steps else f"{r.get('overruns', 0) / steps:.1%}"
+
+
 def _accuracy_cell(r: dict) -> str:
     if r.get("final_accuracy") is None:
         return "-"
@@ -342,33 +377,25 @@ def _accuracy_cell(r: dict) -> str:
     return f"{r['final_accuracy']:.4f}" + (f" [{span[0]:.4f}-{span[1]:.4f}]" if span else "")
 
 
-def plot(results: Sequence[dict], path: str, target: float, title: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 5))
+def plot(results: Sequence[dict], path: str, target: float, title: str) -> list[str]:
+    """The accuracy curves at `path`; beside it (.utilization.png, .rounds.png) every rank's
+    utilisation and one round of each strategy. Returns the files written."""
+    curves = []
     for r in results:
-        rows = _metrics(r["run_dir"]) if r.get("run_dir") else []
-        rows = [x for x in rows if x.get("accuracy") is not None]
-        if not rows:
-            continue
-        label = r["strategy"]
         ttt = r.get("time_to_target_s")
-        label += f" ({ttt:.1f} s)" if ttt is not None else " (missed)"
+        label = r["strategy"] + (f" ({ttt:.1f} s)" if ttt is not None else " (missed)")
         if r.get("status") != "ok":
             label += f" [{r['status']}]"
-        ax.plot([x["t"] for x in rows], [x["accuracy"] for x in rows], marker=".",
-                markersize=3, linewidth=1.4, label=label)
-    ax.axhline(target, color="grey", linestyle="--", linewidth=1)
-    ax.set_xlabel("wall time [s], profiling included")
-    ax.set_ylabel("test accuracy (rank 0)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower right", title=f"time to {target:g}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+        curves.append((label, _metrics(r["run_dir"]) if r.get("run_dir") else []))
+    figures.plot_accuracy(curves, path, target, title)
+    stem = os.path.splitext(path)[0]
+    bars, rounds = stem + ".utilization.png", stem + ".rounds.png"
+    figures.plot_utilization([(r["strategy"], r.get("utilization") or []) for r in results],
+                             bars, f"utilisation, {title}")
+    figures.plot_round_timelines(
+        [(r["strategy"], os.path.join(r["run_dir"], "timeline.json"))
+         for r in results if r.get("run_dir")], rounds, f"one round, {title}")
+    return [p for p in (path, bars, rounds) if os.path.exists(p)]
 
 
 def _netns_rates(args, link: Sequence[float]) -> list[str]:
@@ -486,6 +513,8 @@ def check(args) -> Setup:
         link = rank_factors("--link-slowdown", args.link_slowdown, args.ranks)
     if not args.netns:
         parse_link(args.link_base)   # --netns refuses any --link-base (_netns_rates)
+        if args.link_base is None and args.step_time:
+            args.link_base = matched_link_base(args)
     if args.hostfile is not None:
         check_hostfile(args)
     timeout = args.timeout if args.timeout is not None else args.max_seconds + 120
@@ -493,6 +522,17 @@ def check(args) -> Setup:
         raise OptionError(f"--timeout {timeout:g}: must be a finite number > 0")
     rates = _netns_rates(args, link) if args.netns else None
     return Setup(names, parse_seeds(args.seeds, args.seed), compute, link, timeout, rates)
+
+
+def matched_link_base(args) -> str:
+    """--link-base's default with GPU-like steps: the link that keeps ResNet-18-on-V100s'
+    communication/computation ratio for this model (ashl.bench.scenario)."""
+    try:
+        nbytes = default_scenario.model_bytes(args.model, args.dataset)
+    except ValueError as e:
+        raise OptionError(f"--model {args.model!r}: {e}") from None
+    link = default_scenario.matched_link(nbytes, args.step_time)
+    return f"{link.latency_s:g},{link.bytes_per_s:.6g}"
 
 
 def parse_seeds(text: Optional[str], seed: int) -> list[int]:
@@ -530,7 +570,8 @@ def scenario(args, setup: Setup) -> dict:
         "netns": bool(args.netns),
         "overlap": bool(args.overlap),   # the parameter-server strategies' commits overlap
         "model": args.model, "dataset": args.dataset, "seed": args.seed, "seeds": setup.seeds,
-        "batch_size": args.batch_size, "lr": args.lr,
+        "batch_size": args.batch_size, "lr": args.lr, "step_time_s": args.step_time,
+        "comm_compute_ratio": _comm_compute_ratio(args),
         "target_accuracy": args.target_accuracy, "max_seconds": args.max_seconds,
         "stop_at_target": not args.full_budget, "timeout_s": setup.timeout,
         "strategies": setup.names, "host": platform.node(), "cpus": os.cpu_count(),
@@ -542,6 +583,15 @@ def scenario(args, setup: Setup) -> dict:
                   hosts=[f"{netns.PREFIX}{i}" for i in range(args.ranks)],
                   addresses=[netns.address(i) for i in range(args.ranks)])
     return sc
+
+
+def _comm_compute_ratio(args) -> Optional[float]:
+    """The factor-1 link's time to move the model, over the factor-1 step time."""
+    if args.netns or not args.step_time:
+        return None
+    link = parse_link(args.link_base)
+    nbytes = default_scenario.model_bytes(args.model, args.dataset)
+    return round(link.delay(nbytes) / args.step_time, 3)
 
 
 def _links_text(args, setup: Setup) -> str:
@@ -628,10 +678,15 @@ def combine_seeds(runs: Sequence[dict]) -> dict:
     if accs:
         out["final_accuracy"] = statistics.median(accs)
         out["final_accuracy_range"] = [min(accs), max(accs)]
-    for key in ("bytes_sent", "commits", "local_steps", "wall_s"):
+    for key in ("bytes_sent", "commits", "local_steps", "wall_s", "samples_per_s",
+                "ideal_samples_per_s", "throughput_fraction"):
         values = [r[key] for r in ok if r.get(key) is not None]
         if values:
             out[key] = statistics.median(values)
+            if key == "throughput_fraction":
+                out["throughput_fraction_range"] = [min(values), max(values)]
+    for key in ("emulated_steps", "overruns"):   # summed: a fraction of all the seeds' steps
+        out[key] = sum(r.get(key) or 0 for r in ok)
     utils = [r["utilization"] for r in ok if r.get("utilization")]
     if utils:
         out["utilization"] = [statistics.median(u) for u in zip(*utils)]
@@ -656,15 +711,14 @@ def write_report(args, setup: Setup, sc: dict, results: list[dict], json_path: s
     stem = os.path.splitext(json_path)[0]
     with open(stem + ".md", "w") as f:
         f.write(f"# ashl e2e ({scen})\n\n{md}\n")
-    png = stem + ".png"
     try:
-        plot(results, png, args.target_accuracy, f"e2e, {scen}")
+        pngs = plot(results, stem + ".png", args.target_accuracy, f"e2e, {scen}")
     except Exception as e:
-        print(f"e2e: could not draw the plot: {e}", file=sys.stderr)
-        png = None
+        print(f"e2e: could not draw the plots: {e}", file=sys.stderr)
+        pngs = []
     print(f"\n{md}\n")
     print(f"results: {json_path}\ntable:   {stem}.md")
-    if png:
+    for png in pngs:
         print(f"plot:    {png}")
 
 
