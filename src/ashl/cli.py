@@ -19,8 +19,8 @@ from typing import Iterator, Optional, Sequence
 
 from .emulation import DEFAULT_LINK, Link
 from .outer_spec import OuterSpecError, parse_outer
-from .strategies import (CHECKPOINTING, FAULT_TOLERANT, PARAMETER_SERVER, STRATEGIES,
-                         TRANSPORTS, transport_problem)
+from .strategies import (CHECKPOINTING, FAULT_TOLERANT, OVERLAPPING, PARAMETER_SERVER,
+                         STRATEGIES, TRANSPORTS, transport_problem)
 
 DATASET_HELP = "digits (default), mnist, synthetic[:N], cifar10:DIR"
 FACTORS_EXAMPLE = "1,1,2,4"
@@ -92,6 +92,9 @@ def add_run_options(parser: argparse.ArgumentParser, *, max_seconds: float,
     p.add_argument("--eval-every", type=float, default=None, metavar="SECONDS",
                    help="rank 0 evaluates at most this often (default: 0.25 s on digits and "
                         "synthetic data, 1 s on MNIST, 10 s on CIFAR-10)")
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=False,
+                   help="parameter-server strategies (" + ", ".join(OVERLAPPING) + "): a rank "
+                        "keeps taking local steps while its commit is in flight")
 
 
 def check_run_options(args: argparse.Namespace,
@@ -235,6 +238,13 @@ def check_outer(strategy: str, spec: str, where: str) -> str:
         return str(parse_outer(spec))
     except OuterSpecError as e:
         raise OptionError(f"{where}: {e.why}") from None
+
+
+def check_overlap(strategy: str) -> None:
+    """--overlap: a parameter-server strategy (OptionError)."""
+    if strategy not in OVERLAPPING:
+        raise OptionError(f"--overlap: strategy {strategy} has no commit in flight to overlap "
+                          f"(it exchanges in collectives); use one of {', '.join(OVERLAPPING)}")
 
 
 def check_fault_tolerant(strategy: str, timeout_s: float) -> None:

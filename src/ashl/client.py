@@ -7,6 +7,11 @@ message when the rank's plan is out of date. The client fills the header, emulat
 link if asked, waits for the answer, and returns it decoded: accepted or rejected,
 the stage the run is in, a stop, a new plan. What a rank does with the answer is the
 strategy's business.
+
+An overlapped commit (``begin``, then ``reply(wait=False)`` between local steps until it
+returns the Reply) is the same exchange in slices, at most one in flight: an emulated link's
+commit leaves at its departure time and its reply is taken only from its arrival time, as
+the blocking ``commit`` (which is ``begin`` then ``reply(wait=True)``) sleeps for them.
 """
 from __future__ import annotations
 
@@ -18,7 +23,7 @@ import torch
 
 from . import protocol
 from .compression import Payload
-from .emulation import Heterogeneity
+from .emulation import Heterogeneity, sleep_until
 from .planner import Plan
 from .protocol import Flag, Header, Kind
 from .stages import Stage
@@ -58,6 +63,21 @@ class Reply:
     commit_rate: int = 0            # adsp: the scheduler's commits per check period (0: none)
 
 
+@dataclass
+class InFlight:
+    """A commit on its way: sent once its emulated departure time has come, answered once
+    its reply has been received and its emulated arrival time has come."""
+
+    header: Header
+    payload: Payload
+    t_send: float                  # perf_counter at begin: the link time counts from here
+    depart_at: float               # time.monotonic: when it leaves (emulated upload)
+    sent: bool = False
+    answer: Optional[protocol.Message] = None
+    arrive_at: float = 0.0         # time.monotonic: when its reply may be taken
+    link_end: float = 0.0          # perf_counter: when the reply was there to take
+
+
 class ServerClient:
     """Commits to the parameter server through a transport.RankEnd (ZeroMQ or MPI)."""
 
@@ -70,15 +90,52 @@ class ServerClient:
         # The previous exchange, reported with the next commit (drift detection).
         self.last_link_s: Optional[float] = None
         self.last_ratio = 1.0
+        self.inflight: Optional[InFlight] = None
 
     def commit(self, payload: Payload, commit: Commit) -> Reply:
+        """Send a commit and wait for its answer."""
+        self.begin(payload, commit)
+        return self.reply(wait=True)
+
+    def begin(self, payload: Payload, commit: Commit) -> int:
+        """Start a commit (sent now, or at its emulated departure time by a later ``reply``);
+        its message size. The payload's buffer must stay as it is until its reply."""
+        if self.inflight is not None:
+            raise RuntimeError("a commit is already in flight: take its reply first")
         header = self._header(payload, commit)
-        t_send = time.perf_counter()
-        self.hetero.depart(header.nbytes)
-        self.end.send(header, payload.buffer)
-        answer = self._receive(self.model_buf, Kind.REPLY)
-        self.hetero.arrive(answer.header.sent_at, answer.header.nbytes)
-        self.last_link_s = time.perf_counter() - t_send
+        self.inflight = InFlight(header, payload, time.perf_counter(),
+                                 time.monotonic() + self.hetero.link_delay(header.nbytes))
+        return header.nbytes
+
+    def reply(self, wait: bool) -> Optional[Reply]:
+        """The in-flight commit's answer; without `wait`, None while it has not arrived (the
+        commit may leave in this call)."""
+        f = self.inflight
+        if f is None:
+            raise RuntimeError("no commit in flight")
+        if not f.sent:
+            if not wait and time.monotonic() < f.depart_at:
+                return None
+            sleep_until(f.depart_at)
+            self.end.send(f.header, f.payload.buffer)
+            f.sent = True
+        if f.answer is None:
+            if not wait and not self.end.poll(0.0):
+                return None
+            f.answer = self._receive(self.model_buf, Kind.REPLY)
+            h = f.answer.header
+            f.arrive_at = self.hetero.arrival(h.sent_at, h.nbytes)
+            f.link_end = time.perf_counter() + max(0.0, f.arrive_at - time.monotonic())
+        if not wait and time.monotonic() < f.arrive_at:
+            return None
+        sleep_until(f.arrive_at)
+        self.inflight = None
+        return self._decode(f)
+
+    def _decode(self, f: InFlight) -> Reply:
+        """The Reply to `f`, with the plan that follows it."""
+        payload, answer, header = f.payload, f.answer, f.header
+        self.last_link_s = f.link_end - f.t_send
         self.last_ratio = payload.nnz / payload.numel if payload.sparse and payload.numel else 1.0
         h = answer.header
         plan = None

@@ -203,6 +203,12 @@ class Heterogeneity:
         if delay > 0:
             time.sleep(delay)
 
+    def arrival(self, sent_at: float, nbytes: int) -> float:
+        """When a message sent at `sent_at` (time.monotonic, host-wide) of `nbytes` is
+        delivered (an overlapped commit's reply is taken only from then on); 0, at once,
+        without an emulated link (the sender's clock may be another host's)."""
+        return 0.0 if self.link is None else sent_at + self.link_delay(nbytes)
+
     def arrive(self, sent_at: float, nbytes: int) -> None:
         """An emulated slow link: a message sent at `sent_at` (time.monotonic, host-wide) is
         not delivered before sent_at + its transfer time."""

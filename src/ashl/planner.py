@@ -17,6 +17,12 @@ For a stage with bottleneck count k and target ratio r0:
     H_i = max(k, floor((T - C_i) / c_i))         floor: nobody's round exceeds T
     R_i = the ratio whose push fills the rest of T, clipped to [r0, 1]
     D_i = H_i / sum_j H_j                        exact fraction
+
+With overlapped commits (``PlannerConfig.overlap``) a rank's next round's steps run while its
+commit travels, so its round costs max(H c_i, C_i) instead of H c_i + C_i
+(``round_seconds``): T = max_j max(k c_j, C_j), H_i = max(k, floor(T / c_i)) (the
+bottleneck too: a link-bound round has room for more steps), and only the communication
+not hidden behind the steps counts against the budget (``exposed_comm``).
 """
 
 from __future__ import annotations
@@ -51,6 +57,9 @@ __all__ = [
     "pull_seconds",
     "payload_fraction",
     "round_local_steps",
+    "round_seconds",
+    "steps_that_fit",
+    "exposed_comm",
     "largest_remainder",
     "embed_plan",
     "profiles_from_columns",
@@ -154,6 +163,7 @@ class PlannerConfig:
     max_h_ahl: int | None = None        # caps on H (None = no cap)
     max_h_shl: int | None = None
     dense_bytes: int | None = None      # dense payload size; needed only for link models
+    overlap: bool = False               # commits overlap the next round's steps
 
     def __post_init__(self) -> None:
         self.validate()
@@ -188,6 +198,8 @@ class PlannerConfig:
             cap = getattr(self, name)
             if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < k):
                 raise ValueError(f"{where}: {name} must be None or an integer >= its stage's k ({k}), got {cap!r}")
+        if not isinstance(self.overlap, bool):
+            raise ValueError(f"{where}: overlap must be True or False, got {self.overlap!r}")
         if self.dense_bytes is not None:
             if not isinstance(self.dense_bytes, int) or isinstance(self.dense_bytes, bool) or self.dense_bytes <= 0:
                 raise ValueError(f"{where}: dense_bytes must be a positive integer, got {self.dense_bytes!r}")
@@ -484,23 +496,47 @@ def _merge_weights(shares: Sequence[Fraction], local_steps: Sequence[int],
     raise ValueError(f"unknown weighting {weighting!r}; expected one of {WEIGHTINGS}")
 
 
+def round_seconds(steps: int, compute_s: float, comm_s: float, overlap: bool = False) -> float:
+    """A rank's round: its steps, then its commit's round trip; with overlap the longer of
+    the two (the commit travels while the next round's steps run, and the rank waits at its
+    round's end only for what is left of the trip)."""
+    busy = steps * compute_s
+    return max(busy, comm_s) if overlap else busy + comm_s
+
+
+def steps_that_fit(round_s: float, compute_s: float, comm_s: float, overlap: bool = False,
+                   rounding: str = "floor") -> int:
+    """The most local steps whose round (``round_seconds``) fits in `round_s`."""
+    room = round_s if overlap else round_s - comm_s
+    return round_local_steps(room / compute_s, rounding)
+
+
+def exposed_comm(steps: int, compute_s: float, comm_s: float, overlap: bool = False) -> float:
+    """The part of a round spent waiting for communication: all of it, or with overlap what
+    the steps do not hide."""
+    return max(0.0, comm_s - steps * compute_s) if overlap else comm_s
+
+
 def rank_steps(compute: Sequence[float], comm: Sequence[float], k: int, rounding: str = "floor",
-               cap: int | None = None) -> tuple[int, tuple[int, ...]]:
+               cap: int | None = None, overlap: bool = False) -> tuple[int, tuple[int, ...]]:
     """(bottleneck, H): the rank with the longest round at k steps gets k; every other rank
-    the most steps (>= k, <= cap) that fit the bottleneck's round."""
-    rounds = [k * c + cm for c, cm in zip(compute, comm)]
+    the most steps (>= k, <= cap) that fit the bottleneck's round. With overlap the
+    bottleneck too (its round may be its link's, with room for more than k steps)."""
+    rounds = [round_seconds(k, c, cm, overlap) for c, cm in zip(compute, comm)]
     b = max(range(len(rounds)), key=lambda i: (rounds[i], -i))
     target = rounds[b]
     steps = []
     for i, (c, cm) in enumerate(zip(compute, comm)):
-        h = k if i == b else max(k, round_local_steps((target - cm) / c, rounding))
+        h = k if i == b and not overlap else max(k, steps_that_fit(target, c, cm, overlap,
+                                                                   rounding))
         steps.append(h if cap is None else min(h, cap))
     return b, tuple(steps)
 
 
 def bottleneck_steps(compute: Sequence[float], comm: Sequence[float], k_max: int,
                      comm_budget: float | None, rounding: str = "floor",
-                     cap: int | None = None) -> tuple[int, int, tuple[int, ...]]:
+                     cap: int | None = None, overlap: bool = False
+                     ) -> tuple[int, int, tuple[int, ...]]:
     """(k, bottleneck, H): the fewest local steps k <= k_max for the bottleneck such that its
     communication is at most `comm_budget` of its round and no rank, its H_i rounded to whole
     steps, idles for more than `comm_budget` of the round. Cheap communication on equal ranks
@@ -509,19 +545,21 @@ def bottleneck_steps(compute: Sequence[float], comm: Sequence[float], k_max: int
     fixed rule: k = k_max."""
     candidates = range(1, k_max + 1) if comm_budget is not None else (k_max,)
     for k in candidates:
-        b, steps = rank_steps(compute, comm, k, rounding, cap)
-        if comm_budget is None or within_budget(compute, comm, b, steps, comm_budget) or k == k_max:
+        b, steps = rank_steps(compute, comm, k, rounding, cap, overlap)
+        if (comm_budget is None or k == k_max
+                or within_budget(compute, comm, b, steps, comm_budget, overlap)):
             return k, b, steps
     raise AssertionError("unreachable")   # k_max >= 1 is validated
 
 
 def within_budget(compute: Sequence[float], comm: Sequence[float], bottleneck: int,
-                  steps: Sequence[int], budget: float) -> bool:
-    """Does the bottleneck's communication, and every rank's idle time, stay within `budget`
-    of the round?"""
-    rounds = [h * c + cm for h, c, cm in zip(steps, compute, comm)]
+                  steps: Sequence[int], budget: float, overlap: bool = False) -> bool:
+    """Does the bottleneck's communication (with overlap: what its steps do not hide), and
+    every rank's idle time, stay within `budget` of the round?"""
+    rounds = [round_seconds(h, c, cm, overlap) for h, c, cm in zip(steps, compute, comm)]
     longest = max(rounds)
-    return (comm[bottleneck] <= budget * rounds[bottleneck]
+    b = bottleneck
+    return (exposed_comm(steps[b], compute[b], comm[b], overlap) <= budget * rounds[b]
             and all(longest - r <= budget * longest for r in rounds))
 
 
@@ -529,11 +567,14 @@ def _dense_fits(profiles, compute, pull, k_max, r0, cap, config) -> bool:
     """Do dense commits fit the communication budget, as often as top-k ones would?"""
     if config.comm_budget is None:
         return False
+    overlap = config.overlap
     dense = [push_seconds(p, 1.0, config) + d for p, d in zip(profiles, pull)]
-    k, b, steps = bottleneck_steps(compute, dense, k_max, config.comm_budget, config.rounding, cap)
+    k, b, steps = bottleneck_steps(compute, dense, k_max, config.comm_budget, config.rounding,
+                                   cap, overlap)
     sparse = [push_seconds(p, r0, config) + d + float(p.compress_s) for p, d in zip(profiles, pull)]
-    k_sparse = bottleneck_steps(compute, sparse, k_max, config.comm_budget, config.rounding, cap)[0]
-    return k <= k_sparse and within_budget(compute, dense, b, steps, config.comm_budget)
+    k_sparse = bottleneck_steps(compute, sparse, k_max, config.comm_budget, config.rounding,
+                                cap, overlap)[0]
+    return k <= k_sparse and within_budget(compute, dense, b, steps, config.comm_budget, overlap)
 
 
 def plan_stage(profiles: Sequence[RankProfile], config: PlannerConfig, stage: str,
@@ -548,11 +589,12 @@ def plan_stage(profiles: Sequence[RankProfile], config: PlannerConfig, stage: st
     compress = [float(p.compress_s) if compressing else 0.0 for p in profiles]
     comm = [push_seconds(p, r0, config) + d + g for p, d, g in zip(profiles, pull, compress)]
 
+    overlap = config.overlap
     k, bottleneck, local_steps = bottleneck_steps(compute, comm, k_max, config.comm_budget,
-                                                  config.rounding, cap)
+                                                  config.rounding, cap, overlap)
 
     # The longest round after rounding (only differs from target with half_up/half_even).
-    busy = [c * h + cm for c, h, cm in zip(compute, local_steps, comm)]
+    busy = [round_seconds(h, c, cm, overlap) for c, h, cm in zip(compute, local_steps, comm)]
     longest = max(busy)
     ratios = []
     for i, p in enumerate(profiles):
@@ -561,10 +603,13 @@ def plan_stage(profiles: Sequence[RankProfile], config: PlannerConfig, stage: st
         elif i == bottleneck or busy[i] >= longest:
             ratios.append(r0)
         else:
-            budget = longest - compute[i] * local_steps[i] - pull[i] - compress[i]
+            # with overlap the commit's trip has the whole round, beside the steps
+            steps_s = 0.0 if overlap else compute[i] * local_steps[i]
+            budget = longest - steps_s - pull[i] - compress[i]
             ratios.append(_ratio_for_budget(p, budget, r0, config))
-    rank_round = tuple(compute[i] * local_steps[i] + push_seconds(p, ratios[i], config)
-                       + pull[i] + compress[i] for i, p in enumerate(profiles))
+    rank_round = tuple(round_seconds(local_steps[i], compute[i],
+                                     push_seconds(p, ratios[i], config) + pull[i] + compress[i],
+                                     overlap) for i, p in enumerate(profiles))
     round_s = max(rank_round)
     idle = tuple(max(0.0, (round_s - r) / round_s) for r in rank_round)
 
@@ -670,7 +715,7 @@ def dylu_steps(compute_s: Sequence[float], local_steps: int) -> tuple[int, ...]:
 
 
 def dylu_plan(profiles: Sequence[RankProfile], local_steps: int, *, version: int = 1,
-              reason: str = "") -> Plan:
+              reason: str = "", overlap: bool = False) -> Plan:
     """async-localsgd's plan: DyLU's H_i (`dylu_steps`), dense, data shares in proportion to
     H_i (the samples each rank takes per round), merge weights 1 / n (the outer optimizer's
     average of n pseudo-gradients); the same in both stages (the strategy has one)."""
@@ -679,12 +724,12 @@ def dylu_plan(profiles: Sequence[RankProfile], local_steps: int, *, version: int
     if n < 1:
         raise ValueError("dylu_plan needs at least one rank's profile")
     config = PlannerConfig(k_ahl=local_steps, k_shl=local_steps, shl_target_ratio=1.0,
-                           weighting="uniform")
+                           weighting="uniform", overlap=overlap)
     validate_profiles(profiles, config)
     compute = [float(p.compute_s) for p in profiles]
     steps = dylu_steps(compute, local_steps)
-    rank_round = tuple(c * h + push_seconds(p, 1.0, config) + pull_seconds(p, config)
-                       for c, h, p in zip(compute, steps, profiles))
+    rank_round = tuple(round_seconds(h, c, push_seconds(p, 1.0, config) + pull_seconds(p, config),
+                                     overlap) for c, h, p in zip(compute, steps, profiles))
     round_s = max(rank_round)
     total = sum(steps)
 

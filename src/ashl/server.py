@@ -15,7 +15,9 @@ live set, the coordinator re-plans among the survivors, and the record names it,
 what it had contributed. What it had merged stays merged.
 
 Merge: ``u = merge_weight[rank] * staleness(excess) * delta``, excess = the versions since the
-delta's base beyond one commit of every other live rank (``ParameterServer.excess``), and the
+delta's base beyond one commit of every other live rank and, for an overlapped commit (its
+steps began before its previous reply arrived), beyond the versions that reply brought
+(``ParameterServer.excess``), and the
 outer optimizer applies u to the global model (outer.py: ``global += u`` by default, or an
 outer Nesterov / Delayed Nesterov step) with the fused kernels (dense or bounds-checked
 sparse), all or nothing: a delta holding NaN/Inf is rejected and counted, and the sender is
@@ -179,6 +181,7 @@ class ParameterServer:
         # each rank's recent rounds: from a reply to its next commit
         self.replied_at: list[Optional[float]] = [None] * n_ranks
         self.rounds = [deque(maxlen=5) for _ in range(n_ranks)]
+        self.replied_version = [0] * n_ranks    # the version of each rank's latest reply
         self.commit_rate = 0    # adsp's c_target, carried by every reply (REPLY.local_steps)
 
     # ------------------------------------------------------------------ queries
@@ -190,12 +193,19 @@ class ParameterServer:
         live = [self.shl_commits[r] for r in self.live]
         return min(live) if live else max(self.shl_commits)
 
-    def excess(self, staleness: int) -> int:
+    def excess(self, staleness: int, in_flight: int = 0) -> int:
         """The staleness a delta is damped for: the versions merged since its base beyond
         one commit of every other live rank. Ranks that train side by side each commit once a
         round, so a delta is normally n - 1 versions old; that is the round's own merge
-        (the merge weights already share it out), not lateness."""
-        return max(0, staleness - (len(self.live) - 1))
+        (the merge weights already share it out), not lateness. An overlapped commit's steps
+        began on the model before its previous reply: the `in_flight` versions between its
+        base and that reply are its previous round's, expected as well."""
+        return max(0, staleness - in_flight - (len(self.live) - 1))
+
+    def in_flight(self, header: Header) -> int:
+        """Versions between a commit's base and the reply its rank had last (> 0 only for a
+        commit that overlapped that reply's flight)."""
+        return max(0, self.replied_version[header.rank] - header.base_version)
 
     @property
     def lost_ranks(self) -> set[int]:
@@ -238,7 +248,8 @@ class ParameterServer:
         if rank not in self.live:   # dropped as lost: its late delta is not merged
             return [self._reply(rank, header, False)]
         if not self.stopped:   # after DONE, late deltas are not merged
-            weight = self.weight(rank, stage) * self.staleness(self.excess(staleness))
+            excess = self.excess(staleness, self.in_flight(header))
+            weight = self.weight(rank, stage) * self.staleness(excess)
             accepted = self.outer.step(self.model, Payload.from_message(header, payload), weight)
             if accepted:
                 self.version += 1
@@ -378,6 +389,7 @@ class ParameterServer:
         if flags & Flag.STOP:
             self._leave(rank, "stopped")   # told to stop: it sends nothing more
         self.replied_at[rank] = self.last_heard[rank] = self.clock()   # its next round begins
+        self.replied_version[rank] = self.version
         body = self._downlink()
         header = Header(kind=Kind.REPLY, rank=self.rank, stage=directive.stage,
                         commit=asked.commit, base_version=self.version,

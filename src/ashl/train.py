@@ -43,8 +43,9 @@ from typing import Optional, Sequence
 
 from .cli import (OneLineParser, OptionError, add_checkpoint_options, add_run_options,
                   add_transport_option, check_checkpoint_options, check_factor_count,
-                  check_fault_tolerant, check_outer, check_run_options, check_strategy,
-                  check_transport, checkpoint_path, parse_factors, parse_link)
+                  check_fault_tolerant, check_outer, check_overlap, check_run_options,
+                  check_strategy, check_transport, checkpoint_path, parse_factors,
+                  parse_link)
 from .emulation import Heterogeneity, step_time_from_env
 from .strategies import STRATEGIES
 
@@ -137,6 +138,8 @@ def check_options(args: argparse.Namespace) -> argparse.Namespace:
         check_fault_tolerant(args.strategy, args.fault_timeout)
     args.transport = getattr(args, "transport", None)   # None: the strategy's default
     check_transport(args.transport, args.strategy, args.fault_tolerant)
+    if args.overlap:
+        check_overlap(args.strategy)
     if args.max_seconds is None and args.max_commits is None and args.target_accuracy is None:
         raise OptionError("no stop condition: give --max-seconds, --max-commits or "
                           "--target-accuracy")
@@ -467,6 +470,8 @@ class Run:
             config.update(fault_tolerant=True, fault_timeout_s=a.fault_timeout)
         if getattr(a, "transport", None) is not None:
             config["transport"] = a.transport
+        if a.overlap:
+            config["overlap"] = True
         if self.lead:
             config["evaluate"] = self.on_evaluate
         # Ranks finish importing and loading at different times (a loaded host skews them by
@@ -647,6 +652,7 @@ def build_summary(args, everyone: Sequence[dict], rows: Sequence[dict], wall: fl
         "stop_reason": stop_reason,
         "fault_tolerant": bool(getattr(args, "fault_tolerant", False)),
         "transport": counters[0].get("transport") if counters else None,
+        "overlap": bool(getattr(args, "overlap", False)),
         # ranks a fault-tolerant run lost; in such a run per_rank holds rank 0 alone (the
         # others' counters would need a collective) and server.merged_by the rest
         "lost_ranks": counters[0].get("lost_ranks", []) if counters else [],

@@ -119,6 +119,12 @@ class RankEnd:
         """The server's next message (a reply, a plan, the run's end); raises ServerLost."""
         raise NotImplementedError
 
+    def poll(self, timeout_s: float = 0.0) -> bool:
+        """Is the server's next message here (``recv`` would not wait)? Waits at most
+        `timeout_s` for it; raises ServerLost as ``recv`` does. An overlapped commit checks
+        its reply with it between local steps."""
+        raise NotImplementedError
+
     def close(self) -> None:
         pass
 
@@ -167,6 +173,17 @@ class MPIRankEnd(RankEnd):
             time.sleep(self.poll_s)
         return protocol.recv(self.comm, buffer, source=self.server_rank,
                              tag=protocol.TAG_TO_RANK, model_numel=self.model_numel)
+
+    def poll(self, timeout_s: float = 0.0) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while not self.comm.Iprobe(source=self.server_rank, tag=protocol.TAG_TO_RANK):
+            error = self.server_error()
+            if error is not None:
+                raise ServerLost("the parameter server failed") from error
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(self.poll_s)
+        return True
 
 
 # ------------------------------------------------------------------------ ZeroMQ
@@ -472,6 +489,33 @@ class ZmqRankEnd(RankEnd):
             if not self.connected and now - started > self.timeout_s:
                 raise ServerLost(f"could not reach the parameter server ({where}) in "
                                  f"{self.timeout_s:g} s")
+
+    def poll(self, timeout_s: float = 0.0) -> bool:
+        """As recv's wait, in slices: the disconnect it sees is remembered across calls until
+        a reconnect (what arrived before it is still the server's, for DRAIN_S)."""
+        import zmq
+        from zmq.utils.monitor import recv_monitor_message
+        deadline = time.monotonic() + timeout_s
+        while True:
+            ready = dict(self.poller.poll(int(max(0.0, deadline - time.monotonic()) * 1000)))
+            if self.sock in ready:
+                return True
+            if self.monitor in ready:
+                event = recv_monitor_message(self.monitor)["event"]
+                if event == zmq.EVENT_DISCONNECTED:
+                    self._lost_at = getattr(self, "_lost_at", None) or time.monotonic()
+                elif event == zmq.EVENT_CONNECTED:   # back again: it was a passing drop
+                    self._lost_at = None
+                self.connected = self.connected or event == zmq.EVENT_CONNECTED
+            error = self.server_error()
+            if error is not None:
+                raise ServerLost("the parameter server failed") from error
+            lost_at = getattr(self, "_lost_at", None)
+            if lost_at is not None and time.monotonic() - lost_at > self.DRAIN_S:
+                raise ServerLost(f"lost the parameter server ({self.endpoint}): its "
+                                 "connection closed")
+            if time.monotonic() >= deadline:
+                return False
 
     def close(self) -> None:
         self.sock.disable_monitor()

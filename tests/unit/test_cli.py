@@ -264,3 +264,35 @@ def test_the_step_time_option_wins_over_the_environment(monkeypatch):
     monkeypatch.delenv("ASHL_EMULATE_STEP_TIME")
     assert step_time(Namespace(step_time=None)) is None
     assert [default_eval_every(d) for d in ("digits", "MNIST", "cifar10:/x")] == [0.25, 1.0, 10.0]
+
+
+# ------------------------------------------------------------------------- --overlap
+def test_overlap_is_off_unless_asked_and_can_be_turned_off_again():
+    assert parser().parse_args([]).overlap is False
+    assert parser().parse_args(["--overlap"]).overlap is True
+    assert parser().parse_args(["--overlap", "--no-overlap"]).overlap is False
+    assert "--overlap" in parser().format_help() and "--no-overlap" in parser().format_help()
+
+
+@pytest.mark.parametrize("strategy", ["ashl", "ssp", "asp", "adsp", "async-localsgd"])
+def test_overlap_is_for_the_parameter_server_strategies(strategy):
+    cli.check_overlap(strategy)
+
+
+@pytest.mark.parametrize("strategy", ["bsp", "ashl-sync", "localsgd", "diloco"])
+def test_overlap_of_a_synchronous_strategy_is_named(strategy):
+    with pytest.raises(cli.OptionError, match=f"--overlap: strategy {strategy} "):
+        cli.check_overlap(strategy)
+
+
+def test_the_benchmark_passes_overlap_only_to_the_strategies_that_take_it():
+    from ashl.bench import e2e
+    p = cli.OneLineParser(prog="e2e")
+    e2e.add_arguments(p)
+    args = p.parse_args(["--overlap"])
+    for strategy, expected in (("ashl", True), ("asp", True), ("bsp", False),
+                               ("localsgd", False), ("ashl+nesterov(0.7, 0.5)", True)):
+        cmd = e2e.train_command(args, strategy, "run", [1.0] * 4, [1.0] * 4)
+        assert ("--overlap" in cmd) is expected, (strategy, cmd)
+    args = p.parse_args(["--no-overlap"])
+    assert "--overlap" not in e2e.train_command(args, "ashl", "run", [1.0] * 4, [1.0] * 4)

@@ -429,3 +429,86 @@ def test_dylu_plan_shares_follow_the_steps_and_weights_are_one_over_n():
         assert p.merge_weights == (Fraction(1, 3),) * 3
         assert p.round_s == pytest.approx(0.082)
     assert Plan.from_json(plan.to_json()) == plan
+
+
+# ------------------------------------------------------------------ overlapped commits
+from ashl.planner import exposed_comm, round_seconds, steps_that_fit  # noqa: E402
+
+seconds = st.floats(1e-4, 2.0, allow_nan=False, allow_infinity=False)
+
+
+@given(st.integers(1, 64), seconds, seconds)
+def test_an_overlapped_round_is_the_longer_of_steps_and_round_trip(h, c, comm):
+    assert round_seconds(h, c, comm, overlap=True) == max(h * c, comm)
+    assert round_seconds(h, c, comm) == h * c + comm
+    assert exposed_comm(h, c, comm, overlap=True) == max(0.0, comm - h * c)
+    assert exposed_comm(h, c, comm) == comm
+
+
+@given(seconds, seconds, seconds, st.booleans())
+def test_steps_that_fit_are_the_most_whose_round_fits(round_s, c, comm, overlap):
+    h = steps_that_fit(round_s, c, comm, overlap)
+    if comm <= round_s:       # a round trip longer than the round: no count of steps fits
+        assert h >= 0
+        assert round_seconds(h, c, comm, overlap) <= round_s * (1 + 1e-6)
+        assert round_seconds(h + 1, c, comm, overlap) > round_s
+
+
+profiles3 = st.lists(st.tuples(seconds, st.floats(1e-4, 1.0), st.floats(1e-4, 1.0)),
+                     min_size=1, max_size=5)
+
+
+def _profiles(rows):
+    return [RankProfile(compute_s=c, push_s=u, pull_s=d) for c, u, d in rows]
+
+
+@settings(max_examples=80, deadline=None)
+@given(profiles3, st.sampled_from([None, 0.1]))
+def test_an_overlapped_plan_fits_every_round_in_the_bottleneck_round(rows, budget):
+    config = PlannerConfig(overlap=True, comm_budget=budget, shl_target_ratio=1.0)
+    plan = make_plan(_profiles(rows), config)
+    for sp in (plan.ahl, plan.shl):
+        assert min(sp.local_steps) >= sp.k
+        for i, (c, u, d) in enumerate(rows):
+            h = sp.local_steps[i]
+            assert sp.rank_round_s[i] == max(h * c, u + d)
+            # the most steps that fit: one more would make its round the longest
+            if h > sp.k:
+                assert h * c <= sp.round_s * (1 + 1e-6)
+            assert (h + 1) * c > sp.round_s * (1 - 1e-6) or h == sp.k
+
+
+@settings(max_examples=80, deadline=None)
+@given(profiles3, st.integers(1, 8))
+def test_overlap_never_makes_the_fixed_k_round_longer(rows, k):
+    fixed = dict(comm_budget=None, k_ahl=k, shl_target_ratio=1.0)
+    plain = make_plan(_profiles(rows), PlannerConfig(**fixed))
+    overlapped = make_plan(_profiles(rows), PlannerConfig(overlap=True, **fixed))
+    # T = max_j max(k c_j, C_j) against max_j (k c_j + C_j)
+    assert overlapped.ahl.round_s <= plain.ahl.round_s * (1 + 1e-9)
+    assert overlapped.ahl.round_s == pytest.approx(
+        max(max(k * c, u + d) for c, u, d in rows))
+    # and every rank's round trip fits in it, beside its steps
+    assert all(u + d <= overlapped.ahl.round_s * (1 + 1e-9) for _, u, d in rows)
+
+
+def test_a_link_bound_bottleneck_fills_its_round_with_steps():
+    # rank 1: 0.01 s steps behind a 0.5 s round trip; rank 0 computes 0.1 s a step
+    rows = [(0.1, 0.05, 0.05), (0.01, 0.25, 0.25)]
+    plan = make_plan(_profiles(rows), PlannerConfig(overlap=True, comm_budget=None, k_ahl=2,
+                                                    shl_target_ratio=1.0))
+    assert plan.ahl.bottleneck == 1 and plan.ahl.round_s == pytest.approx(0.5)
+    assert plan.ahl.local_steps == (5, 50)      # both fill the 0.5 s round
+    plain = make_plan(_profiles(rows), PlannerConfig(comm_budget=None, k_ahl=2,
+                                                     shl_target_ratio=1.0))
+    assert plain.ahl.local_steps == (4, 2) and plain.ahl.round_s == pytest.approx(0.52)
+
+
+def test_overlap_must_be_a_bool():
+    with pytest.raises(ValueError, match="overlap"):
+        PlannerConfig(overlap=1)
+
+
+def test_a_plan_with_overlap_round_trips_through_json():
+    plan = make_plan(_profiles([(0.1, 0.05, 0.05), (0.2, 0.1, 0.1)]), PlannerConfig(overlap=True))
+    assert Plan.from_json(plan.to_json()) == plan

@@ -550,3 +550,33 @@ def test_dropped_is_a_flag_a_reply_may_carry(flags):
     with pytest.raises(ProtocolError) as e:
         protocol.encode(h.replace(flags=int(flags) | 32))
     assert e.value.field == "flags"
+
+
+# ------------------------------------------------------- the rank's non-blocking poll
+
+def test_a_rank_end_polls_for_its_reply_without_waiting(ends):
+    server = ends.server()
+    rank = ends.rank(server)
+    assert rank.poll(0.0) is False                # nothing sent to it: at once, no wait
+    rank.send(header(Kind.PLAN, 1, DType.UINT8, 0))
+    poll(server)
+    assert rank.poll(0.0) is False                # its reply has not been sent yet
+    server.send(1, header(Kind.REPLY, 0, DType.NONE, 0))
+    deadline = time.monotonic() + WAIT_S
+    while not rank.poll(0.05):
+        assert time.monotonic() < deadline, "the reply never showed in poll"
+    assert rank.poll(0.0) is True                 # still there until it is received
+    assert rank.recv(MessageBuffer(16)).header.kind == Kind.REPLY
+    assert rank.poll(0.0) is False
+
+
+def test_a_rank_end_polling_a_closed_server_raises_server_lost(ends):
+    server = ends.server()
+    rank = ends.rank(server)
+    rank.send(header(Kind.PLAN, 1, DType.UINT8, 0))
+    poll(server)
+    ends.close(server)
+    deadline = time.monotonic() + WAIT_S
+    with pytest.raises(ServerLost, match="connection closed"):
+        while time.monotonic() < deadline:
+            rank.poll(0.05)

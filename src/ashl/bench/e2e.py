@@ -51,7 +51,7 @@ from ..cli import (OptionError, add_run_options, add_transport_option, check_fac
                    parse_factors, parse_link, parse_strategies, split_variant)
 from ..emulation import DEFAULT_LINK
 from ..launch_env import launch_env
-from ..strategies import PARAMETER_SERVER, STRATEGIES
+from ..strategies import OVERLAPPING, PARAMETER_SERVER, STRATEGIES
 from . import report as figures
 from . import scenario as default_scenario
 
@@ -189,6 +189,8 @@ def train_command(args, strategy: str, run_dir: str, compute: Sequence[float],
     transport = getattr(args, "transport", None)
     if transport is not None and strategy in PARAMETER_SERVER:
         cmd += ["--transport", transport]
+    if args.overlap and strategy in OVERLAPPING:   # the others have no commit in flight
+        cmd += ["--overlap"]
     if hosts is not None:
         cmd = hosts.command(0, cmd)
     return cmd
@@ -572,6 +574,7 @@ def scenario(args, setup: Setup) -> dict:
         "link_base": (None if args.netns else
                       args.link_base or f"{DEFAULT_LINK.latency_s:g},{DEFAULT_LINK.bytes_per_s:g}"),
         "netns": bool(args.netns),
+        "overlap": bool(args.overlap),   # the parameter-server strategies' commits overlap
         "model": args.model, "dataset": args.dataset, "seed": args.seed, "seeds": setup.seeds,
         "batch_size": args.batch_size, "lr": args.lr, "step_time_s": args.step_time,
         "comm_compute_ratio": _comm_compute_ratio(args),

@@ -52,7 +52,7 @@ class AsyncLocalSgdStrategy(ServerStrategy):
         profiles = self.mc.gather_profiles(profile)
         plan = None
         if self.is_server:
-            plan = dylu_plan(profiles, self.H, reason=(
+            plan = dylu_plan(profiles, self.H, overlap=self.overlap, reason=(
                 f"async-localsgd: DyLU from profiled speeds, H={self.H}, outer "
                 f"{self.server.server.outer.spec}"))
             with self.mc.lock:
@@ -65,7 +65,7 @@ class AsyncLocalSgdStrategy(ServerStrategy):
 
     def plan_for_survivors(self, profiles):
         """DyLU among the ranks left: the outer step averages their n pseudo-gradients."""
-        return dylu_plan(profiles, self.H, reason=self.name)
+        return dylu_plan(profiles, self.H, reason=self.name, overlap=self.overlap)
 
     def counters(self) -> dict:
         c = super().counters()

@@ -201,6 +201,10 @@ class Strategy:
     def _close(self) -> None:
         pass
 
+    def _between_steps(self) -> None:
+        """After every local step, before the round's end is checked (overlapped commits
+        look for their reply here)."""
+
     def _start(self) -> None:
         """At the first step(): the model as broadcast before training is the start."""
 
@@ -281,7 +285,8 @@ class Strategy:
             self.loss.add(value)
         if self.stage is Stage.PROFILE:
             self.profiler.record("compute", dt)
-        if self._round_done():
+        self._between_steps()
+        if not self.finished and self._round_done():
             t0, evals = time.perf_counter(), self.evaluations.spent_s
             if not self.planned:
                 self._plan()

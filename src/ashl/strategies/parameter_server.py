@@ -10,6 +10,10 @@ reply to its commit. The server rank evaluates after its own commits.
 
 A subclass supplies the plan (profiled for ``ashl``, fixed for the baselines) and when a
 round ends.
+
+``overlap=True``: a rank keeps taking local steps while its commit is in flight (at most one),
+checks for the reply between steps, and continues from the reply's model plus its own progress
+since the send (overlap.py); at its next round's end it waits for a reply still in flight.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ from ..compression import Compression, Compressor, Residual, check_compression
 from ..coordinator import DriftConfig, MPICoordinator, positive_seconds
 from ..emulation import Heterogeneity
 from ..outer import make_outer
+from ..overlap import add_progress, take_progress
 from ..outer_spec import parse_outer, resolve_outer
 from ..planner import Plan, PlannerConfig, make_plan
 from ..server import ParameterServer, ServerThread
@@ -62,6 +67,11 @@ def check_transport(transport, fault_tolerant: bool) -> str:
     if problem is not None:
         raise ValueError(f"transport={transport!r}: {problem}")
     return transport
+def check_overlap(overlap) -> bool:
+    """overlap= must be a bool."""
+    if not isinstance(overlap, bool):
+        raise ValueError(f"overlap must be True or False, got {overlap!r}")
+    return overlap
 
 
 def join_endpoint(fault_tolerant: bool) -> Optional[str]:
@@ -98,9 +108,10 @@ class ServerStrategy(Strategy):
                  evaluate=None, eval_every_s: float = 2.0, poll_s: float = 2e-4,
                  heterogeneity=None, profile_steps: int = 10, fault_tolerant: bool = False,
                  fault_timeout_s: float = 5.0, startup_timeout_s: Optional[float] = None,
-                 transport: str = DEFAULT_TRANSPORT):
+                 transport: str = DEFAULT_TRANSPORT, overlap: bool = False):
         self.fault_tolerant = check_fault_tolerance(fault_tolerant, fault_timeout_s)
         self.transport = check_transport(transport, self.fault_tolerant)
+        self.overlap = check_overlap(overlap)
         self.fault_timeout_s = float(fault_timeout_s)
         # A replacement for a lost rank (ASHL_JOIN=tcp://host:port) starts alone and takes
         # the slot, size and server rank the run's server gives it (_join).
@@ -127,7 +138,9 @@ class ServerStrategy(Strategy):
                              "buffers: what top-k does not send is kept for the next commit "
                              "(error feedback) in fp32; this model has "
                              f"{sorted({str(t.dtype) for t in self.tensors})}")
-        self.planner_config = planner_config or PlannerConfig()
+        # the plan prices a round as max(steps, round trip) when commits overlap
+        self.planner_config = dataclasses.replace(planner_config or PlannerConfig(),
+                                                  overlap=self.overlap)
         self.mc = MPICoordinator(world, root=0 if self.join else server_rank,
                                  planner_config=self.planner_config, stage_config=stage_config,
                                  drift_config=drift_config)
@@ -152,7 +165,13 @@ class ServerStrategy(Strategy):
         self.scratch: Optional[torch.Tensor] = None  # fp32 delta for compressors that need it
         self.server: Optional[ServerThread] = None
         self.version = 0                     # global version of the model we hold
+        self.round_base = 0                  # the version this round's steps started from
         self.accepted = 0                    # commits the server said it merged
+        # overlap: the model as sent (then the progress since), the commit's timeline span
+        self.sent: Optional[list[torch.Tensor]] = None
+        self._flight: Optional[tuple] = None
+        self.overlap_counts = {"overlapped_steps": 0, "overlapped_commits": 0,
+                               "reply_waits": 0, "reply_wait_s": 0.0}
         self._resume: Optional[dict] = None
         self._evaluated_model: Optional[torch.Tensor] = None   # the model that met the target
 
@@ -272,6 +291,7 @@ class ServerStrategy(Strategy):
         self.round_steps = 0           # and those steps are not the slot's
         self.clock.new_round()
         self.version, self.stage = reply.version, reply.stage
+        self.round_base = self.version
         self.take_commit_rate(reply.commit_rate)
         self.mc.plan = reply.plan
         if hasattr(self.sampler, "rebind"):
@@ -294,21 +314,82 @@ class ServerStrategy(Strategy):
     def _exchange(self, final: bool = False) -> None:
         if self.round_steps == 0 and not final:
             return      # a replacement that has just joined: nothing of its own to commit
+        if self.client.inflight is not None:
+            self._land(wait=True)   # one commit in flight at most: the round's end waits
+            if self.finished:
+                return              # its reply ended the run: this round is not sent
         start = time.time()
         stage, steps = self.stage, self.round_steps
         payload = self._pack(self.compressor())
-        reply = self.client.commit(payload, Commit(
-            stage=stage, number=self.commits, base_version=self.version,
+        commit = Commit(
+            stage=stage, number=self.commits, base_version=self.round_base,
             plan_version=self.plan.version, epoch=self.current_epoch(), local_steps=steps,
-            step_s=self.clock.round_mean(), loss=self.loss.commit(), final=final))
-        self.bytes_sent += reply.bytes_sent
+            step_s=self.clock.round_mean(), loss=self.loss.commit(), final=final)
         self.commits += 1
         self.round_steps = 0
         self.clock.new_round()
+        if self.overlap and not final:
+            self._send_overlapped(payload, commit, start, stage)
+            return
+        reply = self.client.commit(payload, commit)
+        self.bytes_sent += reply.bytes_sent
         self._absorb(reply, final)
+        self.round_base = self.version
         self.round_span(start, steps=steps, stage=stage.value, bytes=reply.bytes_sent,
                         accepted=reply.accepted, version=self.version)
         self._evaluate()
+
+    # --------------------------------------------------------------- overlapped commits
+    def _send_overlapped(self, payload, commit: Commit, start: float, stage: Stage) -> None:
+        """Start the commit and return to training: the next round's steps start from the
+        model held now (w_sent, copied), on the version held now."""
+        if self.sent is None:
+            self.sent = [t.detach().clone() for t in self.tensors]
+        else:
+            for s, t in zip(self.sent, self.tensors):
+                s.copy_(t.detach())
+        self.bytes_sent += self.client.begin(payload, commit)
+        self.overlap_counts["overlapped_commits"] += 1
+        self.round_base = self.version
+        now = time.time()
+        self.timeline.span("compute", self._round_wall, start, steps=commit.local_steps)
+        self._round_wall = now
+        self._flight = (start, stage, commit.number)
+
+    def _between_steps(self) -> None:
+        """After every local step: take the in-flight commit's reply if it has arrived."""
+        if self.client.inflight is None:
+            return
+        self.overlap_counts["overlapped_steps"] += 1   # the step just taken overlapped it
+        t0, evals = time.perf_counter(), self.evaluations.spent_s
+        self._land(wait=False)
+        evaluating = self.evaluations.spent_s - evals
+        self.clock.exclude(time.perf_counter() - t0 - evaluating)
+        self.clock.pause(evaluating)
+
+    def _land(self, wait: bool) -> bool:
+        """The in-flight commit's reply, if it is here (`wait`: once it is): w <- W + (w -
+        w_sent), anchor <- W (overlap.py), unless it was rejected or ended the run (then W
+        alone, as without overlap). The server rank evaluates W itself in between."""
+        t0 = time.perf_counter()
+        reply = self.client.reply(wait=wait)
+        if reply is None:
+            return False
+        if wait:
+            self.overlap_counts["reply_waits"] += 1
+            self.overlap_counts["reply_wait_s"] += time.perf_counter() - t0
+        keep = reply.model is not None and reply.accepted and not reply.stop
+        if keep:
+            take_progress(self.tensors, self.sent)
+        self._absorb(reply, final=False)
+        start, stage, number = self._flight
+        self.timeline.span("commit", start, time.time(), stage=stage.value, overlapped=True,
+                           bytes=reply.bytes_sent, accepted=reply.accepted,
+                           version=self.version, commit=number)
+        self._evaluate()
+        if keep:
+            add_progress(self.tensors, self.sent)
+        return True
 
     def _pack(self, compressor: Compressor):
         need = compressor.max_nbytes(self.numel)
@@ -369,6 +450,8 @@ class ServerStrategy(Strategy):
         broadcast, or in a fault-tolerant run (no collective may involve a lost rank) one
         message from the server to every rank that left the run."""
         final = torch.empty(self.numel, dtype=torch.float32)
+        if self.client.inflight is not None and not self.dropped:
+            self._land(wait=True)   # its reply must not be taken for the final model
         if self.server is not None:
             self.server.join()
             if self._evaluated_model is not None:   # the server's model is that one too
@@ -477,7 +560,7 @@ class ServerStrategy(Strategy):
                 self.server.server.outer.load_state_dict(run["outer"])
             self.server.server.version = int(run.get("version", 0))
             self.server.start()
-        self.version = int(run.get("version", 0))
+        self.version = self.round_base = int(run.get("version", 0))
         self.mc.plan = plan
         self.mc.barrier()   # every rank resumes before anyone commits
         self._started_up()
@@ -490,6 +573,7 @@ class ServerStrategy(Strategy):
         c["version"] = self.version
         c["accepted"] = self.accepted
         c["transport"] = self.transport
+        c["overlap"] = {"enabled": self.overlap, **self.overlap_counts}
         if self.join is not None:
             c["replaced_rank"] = self.rank if self.planned else None
         if self.server is not None:

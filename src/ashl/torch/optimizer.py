@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from ..strategies import FAULT_TOLERANT, PARAMETER_SERVER, make_strategy
+from ..strategies import FAULT_TOLERANT, OVERLAPPING, PARAMETER_SERVER, make_strategy
 from .exit import end_failed_start, leave_at_exit
 from .horovod_keywords import HorovodKeywords
 
@@ -131,7 +131,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         heterogeneity; fault_tolerant=True and fault_timeout_s for the asynchronous strategies:
         a worker that dies or falls silent is dropped and the others go on, docs/LAUNCHING.md;
         transport="zmq" (default) or "mpi" for the parameter-server strategies: how commits
-        travel, docs/LAUNCHING.md).
+        travel, docs/LAUNCHING.md;
+        overlap=True for the parameter-server strategies: a rank keeps taking local steps
+        while its commit is in flight, docs/DESIGN.md "Overlapped commits").
 
     ``finish()`` is optional: a rank leaves the run by itself when the interpreter exits
     (before MPI is finalised), and every rank ends with the final global model.
@@ -192,6 +194,10 @@ def _strategy_options(strategy: str, staleness, config: dict) -> dict:
         raise ValueError(f"transport={kwargs['transport']!r}: strategy {strategy!r} has no "
                          "parameter server (its rounds are Horovod allreduces); transport= is "
                          f"for {', '.join(PARAMETER_SERVER)}")
+    if kwargs.get("overlap") and strategy not in OVERLAPPING:
+        raise ValueError(f"overlap=True: strategy {strategy!r} exchanges in collectives, with no "
+                         "commit in flight to overlap; the parameter-server strategies "
+                         f"({', '.join(OVERLAPPING)}) overlap their commits")
     if strategy == "bsp" and kwargs.get("outer_optimizer") is not None:
         raise ValueError("outer_optimizer: strategy 'bsp' averages gradients every step "
                          "(Horovod's DistributedOptimizer); an outer optimizer needs a strategy "
