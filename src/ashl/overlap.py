@@ -26,16 +26,15 @@ __all__ = ["take_progress", "add_progress", "rebase"]
 
 def take_progress(params: Sequence[torch.Tensor], sent: Sequence[torch.Tensor]) -> None:
     """sent[i] <- params[i] - sent[i]: the copy taken at the send becomes the progress since."""
-    with torch.no_grad():
-        for p, s in zip(params, sent):
-            s.sub_(p).neg_()
+    with torch.no_grad():   # one multi-tensor op per half, not one per parameter
+        torch._foreach_sub_(list(sent), list(params))
+        torch._foreach_neg_(list(sent))
 
 
 def add_progress(params: Sequence[torch.Tensor], progress: Sequence[torch.Tensor]) -> None:
     """params[i] += progress[i] (params hold W, just loaded from the reply)."""
     with torch.no_grad():
-        for p, d in zip(params, progress):
-            p.add_(d)
+        torch._foreach_add_(list(params), list(progress))
 
 
 def rebase(params: Sequence[torch.Tensor], anchors: Sequence[torch.Tensor],
