@@ -2,7 +2,11 @@
 reported without ending the benchmark, and a small real comparison under mpirun."""
 
 import json
+import os
 import re
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -184,6 +188,38 @@ def test_a_run_past_its_timeout_is_killed_and_reported(tmp_path):
     r, = json.loads(out.read_text())["results"]
     assert r["status"] == "timeout" and "killed after 2 s" in r["error"]
     assert time.monotonic() - t0 < 30
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie whose parent has gone is dead, whether or not init reaps it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def test_a_benchmark_ended_by_sigterm_ends_the_run_it_launched(tmp_path):
+    """A killed benchmark leaves no launcher and no rank behind (they are in their own process
+    group, which the benchmark kills on its way out)."""
+    pids = tmp_path / "pids"
+    hang = tmp_path / "hang.sh"
+    hang.write_text(f"#!/bin/sh\nsleep 60 &\necho $$ $! > {pids}\nwait\n")
+    hang.chmod(0o755)
+    proc = subprocess.Popen([sys.executable, "-m", "ashl.bench", "e2e", "--ranks", "1",
+                             "--strategies", "ashl", "--mpirun", str(hang), "--mpirun-args", "",
+                             "--json", str(tmp_path / "e2e.json")], env=_util.mpi_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (pids.exists() and len(pids.read_text().split()) == 2):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr
+        time.sleep(0.1)
+    launcher, child = map(int, pids.read_text().split())
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    while (_alive(launcher) or _alive(child)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(launcher) and not _alive(child)
 
 
 @pytest.mark.mpi

@@ -7,7 +7,7 @@ fails or times out is reported and the others still run.
 
 The default scenario (``ashl.bench.scenario``): real MNIST images, a CNN of 1.02M parameters,
 GPU-like steps of 80 ms x the compute factor, and a factor-1 link that moves the model in
-0.72 steps, as ResNet-18 on V100s over 10 Gbit/s does; target 0.95.
+0.72 steps, as ResNet-18 on V100s over 10 Gbit/s does; target 0.97.
 
 With ``--netns`` (root) the links are real instead of emulated: one emulated host per rank (a
 network namespace ashl-h<i> on a private bridge, ``ashl.netns``), rank i's link shaped with tc
@@ -31,6 +31,7 @@ Writes (next to ``--json``, default ``out/e2e/e2e.json``):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -440,13 +441,11 @@ class _NetnsHosts:
     def __init__(self, n: int, rates: Sequence[str]):
         self.n, self.rates = n, list(rates)
         self.hosts = self.work = None
-        self._old_sigterm = None
 
     def __enter__(self):
         import tempfile
 
         from .. import netns
-        self._trap_sigterm()
         try:
             base = "/var/tmp" if os.path.isdir("/var/tmp") else None
             self.work = tempfile.mkdtemp(prefix="ashl-e2e-netns-", dir=base)
@@ -461,27 +460,28 @@ class _NetnsHosts:
         return self.hosts, self.work
 
     def __exit__(self, *exc) -> None:
-        try:
-            if self.hosts is not None:
-                self.hosts.stop_processes()
-                self.hosts.destroy()
-            if self.work:
-                shutil.rmtree(self.work, ignore_errors=True)
-        finally:
-            self._restore_sigterm()
+        if self.hosts is not None:
+            self.hosts.stop_processes()
+            self.hosts.destroy()
+        if self.work:
+            shutil.rmtree(self.work, ignore_errors=True)
 
-    def _trap_sigterm(self) -> None:
-        def on_sigterm(signum, frame):
-            raise SystemExit(128 + signum)   # unwinds: the runs are killed, the hosts removed
-        try:
-            self._old_sigterm = signal.signal(signal.SIGTERM, on_sigterm)
-        except ValueError:                   # not the main thread: nothing to trap
-            self._old_sigterm = None
 
-    def _restore_sigterm(self) -> None:
-        if self._old_sigterm is not None:
-            signal.signal(signal.SIGTERM, self._old_sigterm)
-            self._old_sigterm = None
+@contextlib.contextmanager
+def sigterm_unwinds():
+    """SIGTERM raises SystemExit inside the block, so a benchmark that is killed still kills
+    the run it launched (its own process group) and removes any hosts it made."""
+    def on_sigterm(signum, frame):
+        raise SystemExit(128 + signum)
+    try:
+        old = signal.signal(signal.SIGTERM, on_sigterm)
+    except ValueError:                   # not the main thread: nothing to trap
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 class _no_hosts:
@@ -627,7 +627,7 @@ def run_all(args, setup: Setup, out: str) -> list[dict]:
     line per run; a result per strategy (its seeds combined)."""
     results = []
     hosts_made = _NetnsHosts(args.ranks, setup.rates) if args.netns else _no_hosts()
-    with hosts_made as (hosts, work):
+    with sigterm_unwinds(), hosts_made as (hosts, work):
         for name in setup.names:
             runs = []
             for seed in setup.seeds:
