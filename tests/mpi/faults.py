@@ -24,6 +24,24 @@ TRAIN = ("--model", "mlp", "--dataset", "digits", "--compute-slowdown", "1,1,2,4
          "--target-accuracy", str(TARGET), "--eval-every", "0.2", "--no-progress")
 
 
+
+def rank_pids(launcher_pid: int) -> dict[int, int]:
+    """rank -> pid of every rank process under `launcher_pid` alive now (from its Open MPI
+    environment)."""
+    out = {}
+    try:
+        children = psutil.Process(launcher_pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return out
+    for child in children:
+        try:
+            rank = child.environ().get("OMPI_COMM_WORLD_RANK")
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if rank is not None and "python" in child.name():
+            out[int(rank)] = child.pid
+    return out
+
 class Job:
     """One launched job: its process, its output folder, its ranks' pids."""
 
@@ -52,19 +70,7 @@ class Job:
 
     def rank_pids(self) -> dict[int, int]:
         """rank -> pid of every rank process alive now (from its Open MPI environment)."""
-        out = {}
-        try:
-            children = psutil.Process(self.proc.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            return out
-        for child in children:
-            try:
-                rank = child.environ().get("OMPI_COMM_WORLD_RANK")
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                continue
-            if rank is not None and "python" in child.name():
-                out[int(rank)] = child.pid
-        return out
+        return rank_pids(self.proc.pid)
 
     def replacement(self, *train_args) -> subprocess.Popen:
         """A replacement for a lost rank: the same job's command, started alone (no launcher)

@@ -12,6 +12,7 @@ import psutil
 import pytest
 
 import _util
+from faults import rank_pids
 
 pytestmark = [pytest.mark.mpi,
               pytest.mark.skipif(_util.skip_reason() is not None, reason=_util.skip_reason() or "")]
@@ -51,18 +52,6 @@ def test_both_transports_reach_the_target_and_report_the_server_thread(transport
     assert 0 < latency["median_ms"] <= latency["p95_ms"]
 
 
-def rank_pids(proc) -> dict:
-    out = {}
-    for child in psutil.Process(proc.pid).children(recursive=True):
-        try:
-            rank = child.environ().get("OMPI_COMM_WORLD_RANK")
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-        if rank is not None and "python" in child.name():
-            out[int(rank)] = child.pid
-    return out
-
-
 def committed(out, n) -> bool:
     path = out / "metrics.jsonl"
     rows = [json.loads(l) for l in path.read_text().splitlines()
@@ -86,7 +75,7 @@ def test_a_frozen_worker_ends_a_fail_stop_zmq_run_with_an_error_naming_it(tmp_pa
             assert proc.poll() is None and time.monotonic() < deadline, \
                 (tmp_path / "job.log").read_text()[-3000:]
             time.sleep(0.05)
-        os.kill(rank_pids(proc)[2], signal.SIGSTOP)
+        os.kill(rank_pids(proc.pid)[2], signal.SIGSTOP)
         rc = proc.wait(100)
     finally:
         if proc.poll() is None:

@@ -7,6 +7,7 @@ import time
 
 import pytest
 import torch
+from test_transport import poll  # noqa: E402 (a sibling test module)
 
 from ashl import transport
 from ashl.cli import OptionError, check_transport
@@ -24,15 +25,6 @@ from ashl.transport import LostPeerError, PeerLost, ZmqRankEnd, ZmqServerEnd
 zmq = pytest.importorskip("zmq")
 pytestmark = pytest.mark.timeout(60)
 WAIT_S = 10.0     # a bounded wait: only a hang fails on it
-
-
-def poll(server, deadline_s=WAIT_S):
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        event = server.poll(0.05)
-        if event is not None:
-            return event
-    raise AssertionError(f"nothing arrived in {deadline_s} s")
 
 
 def delta(rank, numel, value=1.0, commit=0):
