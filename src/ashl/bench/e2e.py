@@ -541,17 +541,21 @@ def matched_link_base(args) -> str:
     return f"{link.latency_s:g},{link.bytes_per_s:.6g}"
 
 
+def parse_distinct_ints(option: str, text: str, minimum: int) -> list[int]:
+    """'0,1,2' -> [0, 1, 2], in the order given: distinct integers >= `minimum`, or an
+    OptionError naming `option`."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise OptionError(f"{option} {text!r}: expected comma-separated integers") from None
+    if not values or min(values) < minimum or len(set(values)) != len(values):
+        raise OptionError(f"{option} {text!r}: expected distinct integers >= {minimum}")
+    return values
+
+
 def parse_seeds(text: Optional[str], seed: int) -> list[int]:
     """--seeds '0,1,2' -> [0, 1, 2]; None: [seed]. Each a distinct integer >= 0."""
-    if text is None:
-        return [seed]
-    try:
-        seeds = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise OptionError(f"--seeds {text!r}: expected comma-separated integers") from None
-    if not seeds or min(seeds) < 0 or len(set(seeds)) != len(seeds):
-        raise OptionError(f"--seeds {text!r}: expected distinct integers >= 0")
-    return seeds
+    return [seed] if text is None else parse_distinct_ints("--seeds", text, 0)
 
 
 def check_hostfile(args) -> None:

@@ -43,13 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def parse_counts(text: str) -> list[int]:
     """'4,8,16' -> [4, 8, 16]: distinct integers >= 1, in the order given."""
-    try:
-        counts = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise OptionError(f"--ranks {text!r}: expected comma-separated integers") from None
-    if not counts or min(counts) < 1 or len(set(counts)) != len(counts):
-        raise OptionError(f"--ranks {text!r}: expected distinct integers >= 1")
-    return counts
+    return e2e.parse_distinct_ints("--ranks", text, 1)
 
 
 def server_stats(summary: dict) -> dict:
