@@ -89,6 +89,29 @@ inline void store_block(float* dst, const float* src, int64_t m, bool stream) {
   (void)stream;
   std::memcpy(dst, src, static_cast<size_t>(m) * sizeof(float));
 }
+// The fp32 lanes of one 256-bit vector: the group map's register-sized step.
+constexpr int64_t kLanes = 8;
+
+// True if dst can take store_lanes(dst, ..., true): 32-byte aligned.
+inline bool lane_aligned(const float* dst) {
+  return (reinterpret_cast<uintptr_t>(dst) & (kLanes * sizeof(float) - 1)) == 0;
+}
+
+// Stores kLanes fp32 values just computed (v stays in a register once
+// inlined). With `stream` (dst lane_aligned): a non-temporal store straight
+// from the register, so a destination too large for the cache costs one
+// write, not a read-for-ownership plus a write.
+__attribute__((always_inline)) inline void store_lanes(float* dst, const float* v, bool stream) {
+#if defined(__AVX__)
+  const __m256 x = _mm256_loadu_ps(v);
+  if (stream) _mm256_stream_ps(dst, x);
+  else _mm256_storeu_ps(dst, x);
+#else
+  (void)stream;
+  std::memcpy(dst, v, kLanes * sizeof(float));
+#endif
+}
+
 // Orders this thread's streaming stores before anything that follows.
 inline void stream_fence() {
 #if defined(__AVX__)

@@ -26,6 +26,9 @@ import ashl.kernels as K  # noqa: E402
 
 SIZES = [0, 1, 7, 4099]
 BIG = 3_000_001
+# A list of two BIG tensors is past the CPU kernels' streaming threshold (16 MiB of fp32
+# output): the *_large tests run the non-temporal store path, misaligned heads included.
+STREAMED = [(BIG,), (BIG // 3, 3)]
 DTYPE_PAIRS = [(a, b) for a in DTYPES for b in DTYPES]
 PAIR_IDS = [f"{x}-{y}" for x, y in (dt_ids(p) for p in DTYPE_PAIRS)]
 HYP = settings(max_examples=40, deadline=None,
@@ -114,7 +117,7 @@ def test_pack_delta(device, pdt, fdt, n, scale, with_res):
     (f32, f32, 1.0, False), (bf16, f16, -2.5, True), (f16, f32, 0.37, False)],
     ids=["f32-f32-plain", "bf16-f16-res", "f16-f32-scaled"])
 def test_pack_delta_large(device, pdt, fdt, scale, with_res):
-    check_pack(device, [(BIG,), (BIG // 3, 3)], pdt, fdt, scale, with_res, seed=7, offset=1)
+    check_pack(device, STREAMED, pdt, fdt, scale, with_res, seed=7, offset=1)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -175,11 +178,12 @@ def test_pack_delta_hypothesis(device, shapes, pdt, fdt, scale, with_res, offset
 # unpack_assign / unpack_add
 
 
-def check_unpack(device, shapes, pdt, fdt, add, seed, offset=0, single=False):
+def check_unpack(device, shapes, pdt, fdt, add, seed, offset=0, single=False, anchor_offset=None):
     g = gen(seed)
     pdts = per_tensor(pdt, shapes)
+    a_off = offset if anchor_offset is None else anchor_offset
     params = [rand(s, d, device, g, offset) for s, d in zip(shapes, pdts)]
-    anchors = [rand(s, d, device, g, offset) for s, d in zip(shapes, pdts)]
+    anchors = [rand(s, d, device, g, a_off) for s, d in zip(shapes, pdts)]
     total = sum(p.numel() for p in params)
     flat = Guarded(total, fdt, device, head=offset, g=g)
     flat_before = flat.base.clone()
@@ -231,7 +235,14 @@ def test_unpack(device, pdt, fdt, n, add):
                                          (bf16, f32, True), (f16, bf16, False)],
                          ids=["f32-f32-assign", "f32-f32-add", "bf16-f32-add", "f16-bf16-assign"])
 def test_unpack_large(device, pdt, fdt, add):
-    check_unpack(device, [(BIG,), (7,), (1000, 1000)], pdt, fdt, add, seed=5, offset=1)
+    check_unpack(device, STREAMED + [(7,), (1000, 1000)], pdt, fdt, add, seed=5, offset=1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("add", [False, True], ids=["assign", "add"])
+def test_unpack_large_outputs_misaligned_apart(device, add):
+    # Two outputs on different vector boundaries: one streamed, the other written normally.
+    check_unpack(device, STREAMED, f32, f32, add, seed=17, offset=1, anchor_offset=6)
 
 
 @pytest.mark.parametrize("device", DEVICES)
