@@ -10,6 +10,7 @@ with ``off_i`` the sum of the previous numels (back to back, list order).
 """
 from __future__ import annotations
 
+import itertools
 from typing import Sequence, Union
 
 import torch
@@ -104,18 +105,70 @@ def _check_flat(t, name: str, device: torch.device, needed: int) -> None:
         raise ValueError(f"{name} has {t.numel()} elements but the tensors need {needed}")
 
 
-def _check_pair(ref: list, other: list, ref_name: str, other_name: str, device,
-                same_dtype: bool) -> None:
-    if len(other) != len(ref):
-        raise ValueError(f"{other_name} has {len(other)} tensors but {ref_name} has {len(ref)}")
-    for i, (r, o) in enumerate(zip(ref, other)):
-        _check(o, f"{other_name}[{i}]", device)
-        if o.numel() != r.numel():
-            raise ValueError(f"{other_name}[{i}] has {o.numel()} elements but "
-                             f"{ref_name}[{i}] has {r.numel()}")
-        if same_dtype and o.dtype != r.dtype:
-            raise ValueError(f"{other_name}[{i}] is {_name(o.dtype)} but "
-                             f"{ref_name}[{i}] is {_name(r.dtype)}")
+class _Scan:
+    """A checked tensor list as the native calls take it: data pointers, numels, dtypes.
+
+    The checks run attribute by attribute over the whole list, one comprehension each, and
+    only a list that fails is walked tensor by tensor (``_check``) to name the first bad one:
+    this Python cost is paid per tensor on every call, and a transformer has hundreds of small
+    ones (checking each tensor in turn cost 2.8 us per tensor and call, 0.55 ms on 196)."""
+
+    __slots__ = ("name", "ptrs", "numels", "dtypes")
+
+    def __init__(self, tensors: list, name: str, device: torch.device, dtypes=_FLOATS):
+        if not _all_valid(tensors, device, dtypes):
+            for i, t in enumerate(tensors):
+                _check(t, f"{name}[{i}]", device, dtypes)
+        self.name = name
+        self.ptrs = [t.data_ptr() for t in tensors]
+        self.numels = [t.numel() for t in tensors]
+        self.dtypes = [t.dtype for t in tensors]
+
+    def total(self) -> int:
+        return sum(self.numels)
+
+    def offsets(self) -> list[int]:
+        """Each tensor's start in the flat layout."""
+        return [0, *itertools.accumulate(self.numels)][:len(self.numels)]
+
+    def native(self, idx: list[int], dtype) -> "_C.TensorList":
+        """The tensors at ``idx`` (all of one dtype) as a native list."""
+        if len(idx) == len(self.ptrs):
+            return _C.TensorList(_CODES[dtype], self.ptrs, self.numels)
+        return _C.TensorList(_CODES[dtype], [self.ptrs[i] for i in idx],
+                             [self.numels[i] for i in idx])
+
+
+def _all_valid(tensors: list, device: torch.device, dtypes) -> bool:
+    """True if every element is a contiguous tensor on ``device`` of one of ``dtypes``."""
+    if not all(issubclass(c, torch.Tensor) for c in {type(t) for t in tensors}):
+        return False
+    if device.type == "cpu":
+        on_device = all([t.is_cpu for t in tensors])  # cheaper than building t.device
+    else:
+        on_device = {t.device for t in tensors} <= {device}
+    return (on_device and {t.dtype for t in tensors} <= set(dtypes)
+            and all([t.is_contiguous() for t in tensors]))
+
+
+def _scan_like(ref: _Scan, other: list, name: str, device, same_dtype: bool) -> _Scan:
+    """``other`` checked and scanned, shaped tensor by tensor like ``ref``."""
+    if len(other) != len(ref.numels):
+        raise ValueError(f"{name} has {len(other)} tensors but {ref.name} has {len(ref.numels)}")
+    scan = _Scan(other, name, device)
+    if scan.numels != ref.numels:
+        i = _first_difference(scan.numels, ref.numels)
+        raise ValueError(f"{name}[{i}] has {scan.numels[i]} elements but "
+                         f"{ref.name}[{i}] has {ref.numels[i]}")
+    if same_dtype and scan.dtypes != ref.dtypes:
+        i = _first_difference(scan.dtypes, ref.dtypes)
+        raise ValueError(f"{name}[{i}] is {_name(scan.dtypes[i])} but "
+                         f"{ref.name}[{i}] is {_name(ref.dtypes[i])}")
+    return scan
+
+
+def _first_difference(a: list, b: list) -> int:
+    return next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
 
 
 def _name(dtype) -> str:
@@ -133,20 +186,16 @@ def _device_of(tensors: list, fallback, name: str) -> torch.device:
 
 # --- native calls ---------------------------------------------------------------
 
-def _native_list(tensors: list, idx: list[int], dtype) -> "_C.TensorList":
-    return _C.TensorList(_CODES[dtype], [tensors[i].data_ptr() for i in idx],
-                         [tensors[i].numel() for i in idx])
-
-
 def _flat(t: torch.Tensor) -> "_C.Flat":
     return _C.Flat(t.data_ptr(), _CODES[t.dtype], t.numel())
 
 
-def _groups(tensors: list) -> dict:
-    """Indices of the tensors of each dtype (almost always a single group)."""
+def _groups(*dtypes: list) -> dict:
+    """Indices of the tensors of each dtype (of each combination of dtypes, one per list):
+    almost always a single group."""
     groups: dict = {}
-    for i, t in enumerate(tensors):
-        groups.setdefault(t.dtype, []).append(i)
+    for i, key in enumerate(zip(*dtypes)):
+        groups.setdefault(key, []).append(i)
     return groups
 
 
@@ -182,17 +231,14 @@ def pack_delta(params: TensorOrList, anchors: TensorOrList, out: torch.Tensor,
     params, anchors = _as_list(params, "params"), _as_list(anchors, "anchors")
     res = None if residuals is None else _as_list(residuals, "residuals")
     device = _device_of(params, out, "params")
-    for i, p in enumerate(params):
-        _check(p, f"params[{i}]", device)
-    _check_pair(params, anchors, "params", "anchors", device, same_dtype=True)
-    if res is not None:
-        _check_pair(params, res, "params", "residuals", device, same_dtype=True)
-    offsets = flat_offsets(params)
-    _check_flat(out, "out", device, offsets[-1] + params[-1].numel() if params else 0)
-    for dtype, idx in _groups(params).items():
-        _call(device, "pack_delta", _native_list(params, idx, dtype),
-              _native_list(anchors, idx, dtype),
-              None if res is None else _native_list(res, idx, dtype),
+    p = _Scan(params, "params", device)
+    a = _scan_like(p, anchors, "anchors", device, same_dtype=True)
+    r = None if res is None else _scan_like(p, res, "residuals", device, same_dtype=True)
+    _check_flat(out, "out", device, p.total())
+    offsets = p.offsets()
+    for (dtype,), idx in _groups(p.dtypes).items():
+        _call(device, "pack_delta", p.native(idx, dtype), a.native(idx, dtype),
+              None if r is None else r.native(idx, dtype),
               [offsets[i] for i in idx], _flat(out), float(scale))
     return out
 
@@ -200,13 +246,12 @@ def pack_delta(params: TensorOrList, anchors: TensorOrList, out: torch.Tensor,
 def _unpack(op: str, params, anchors, flat) -> None:
     params, anchors = _as_list(params, "params"), _as_list(anchors, "anchors")
     device = _device_of(params, flat, "params")
-    for i, p in enumerate(params):
-        _check(p, f"params[{i}]", device)
-    _check_pair(params, anchors, "params", "anchors", device, same_dtype=True)
-    offsets = flat_offsets(params)
-    _check_flat(flat, "flat", device, offsets[-1] + params[-1].numel() if params else 0)
-    for dtype, idx in _groups(params).items():
-        _call(device, op, _native_list(params, idx, dtype), _native_list(anchors, idx, dtype),
+    p = _Scan(params, "params", device)
+    a = _scan_like(p, anchors, "anchors", device, same_dtype=True)
+    _check_flat(flat, "flat", device, p.total())
+    offsets = p.offsets()
+    for (dtype,), idx in _groups(p.dtypes).items():
+        _call(device, op, p.native(idx, dtype), a.native(idx, dtype),
               [offsets[i] for i in idx], _flat(flat))
 
 
@@ -224,26 +269,18 @@ def merge_dense(dst: TensorOrList, delta: TensorOrList, weight: float) -> bool:
     """``dst += weight * delta``; if ``delta`` holds any NaN/Inf, writes nothing, returns False."""
     dst, delta = _as_list(dst, "dst"), _as_list(delta, "delta")
     device = _device_of(dst, None, "dst")
-    for i, d in enumerate(dst):
-        _check(d, f"dst[{i}]", device)
-    _check_pair(dst, delta, "dst", "delta", device, same_dtype=False)
-    groups = _groups_by_pair(dst, delta)
+    d = _Scan(dst, "dst", device)
+    e = _scan_like(d, delta, "delta", device, same_dtype=False)
+    groups = _groups(d.dtypes, e.dtypes)
     if len(groups) > 1:
         # All-or-nothing across dtype groups: check every delta before merging any.
         if not all(bool(torch.isfinite(t).all()) for t in delta):
             return False
     ok = True
     for (dd, ed), idx in groups.items():
-        ok = _call(device, "merge_dense", _native_list(dst, idx, dd),
-                   _native_list(delta, idx, ed), float(weight)) and ok
+        ok = _call(device, "merge_dense", d.native(idx, dd), e.native(idx, ed),
+                   float(weight)) and ok
     return ok
-
-
-def _groups_by_pair(a: list, b: list) -> dict:
-    groups: dict = {}
-    for i, (x, y) in enumerate(zip(a, b)):
-        groups.setdefault((x.dtype, y.dtype), []).append(i)
-    return groups
 
 
 def merge_sparse(dst: torch.Tensor, indices: torch.Tensor, values: torch.Tensor,
@@ -280,19 +317,14 @@ def weighted_sum(out: TensorOrList, inputs: Sequence[TensorOrList],
     if len(weights) != len(ins):
         raise ValueError(f"{len(ins)} inputs but {len(weights)} weights")
     device = _device_of(outs, None, "out")
-    for i, o in enumerate(outs):
-        _check(o, f"out[{i}]", device)
-    for k, x in enumerate(ins):
-        _check_pair(outs, x, "out", f"inputs[{k}]", device, same_dtype=False)
-    for k, x in enumerate(ins):
-        for i, t in enumerate(x):
-            if t.dtype != ins[0][i].dtype:
-                raise ValueError(f"inputs[{k}][{i}] is {_name(t.dtype)} but inputs[0][{i}] is "
-                                 f"{_name(ins[0][i].dtype)}")
-    groups: dict = {}
-    for i, o in enumerate(outs):
-        groups.setdefault((o.dtype, ins[0][i].dtype if ins else o.dtype), []).append(i)
-    for (od, idt), idx in groups.items():
-        _call(device, "weighted_sum", _native_list(outs, idx, od),
-              [_native_list(x, idx, idt) for x in ins], weights)
+    o = _Scan(outs, "out", device)
+    xs = [_scan_like(o, x, f"inputs[{k}]", device, same_dtype=False) for k, x in enumerate(ins)]
+    for x in xs[1:]:
+        if x.dtypes != xs[0].dtypes:
+            i = _first_difference(x.dtypes, xs[0].dtypes)
+            raise ValueError(f"{x.name}[{i}] is {_name(x.dtypes[i])} but inputs[0][{i}] is "
+                             f"{_name(xs[0].dtypes[i])}")
+    for (od, idt), idx in _groups(o.dtypes, xs[0].dtypes if xs else o.dtypes).items():
+        _call(device, "weighted_sum", o.native(idx, od), [x.native(idx, idt) for x in xs],
+              weights)
     return out

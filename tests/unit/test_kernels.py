@@ -9,6 +9,7 @@ dtype plus a few fp32 roundings of the terms (see ``assert_matches``).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -418,7 +419,7 @@ def test_merge_dense_inf_at_end_of_large_tensor_writes_nothing(device):
 
 
 def check_merge_sparse(device, numel, ddt, vdt, idt, nnz, dups, weight, seed, offset=0,
-                       dst_shape=None):
+                       dst_shape=None, ascending=False):
     g = gen(seed)
     dst = Guarded(numel, ddt, device, head=offset, g=g)
     if dups:
@@ -427,6 +428,8 @@ def check_merge_sparse(device, numel, ddt, vdt, idt, nnz, dups, weight, seed, of
             idx[nnz // 2:] = idx[: nnz - nnz // 2].clone()  # at least half the entries are repeats
     else:
         idx = torch.randperm(numel, generator=g)[:nnz]
+    if ascending:
+        idx = idx.sort().values
     nnz = idx.numel()
     vals = (torch.randn(nnz, generator=g)).to(vdt)
     base_i = torch.zeros(nnz + offset, dtype=idt, device=device)
@@ -483,6 +486,46 @@ def test_merge_sparse_large(device, ddt, vdt, idt):
     """A multi-million dst with top-1% style unique indices, and a run with many duplicates."""
     check_merge_sparse(device, BIG, ddt, vdt, idt, BIG // 100, False, 1.0, seed=15, offset=1)
     check_merge_sparse(device, 50_000, ddt, vdt, idt, 200_000, True, 0.5, seed=16, offset=1)
+
+
+@contextlib.contextmanager
+def cpu_threads(n):
+    before = K.num_threads()
+    K.set_num_threads(n)
+    try:
+        yield
+    finally:
+        K.set_num_threads(before)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("ddt,vdt,idt", [(f32, f32, torch.int32), (bf16, f32, torch.int64)],
+                         ids=["f32-f32-i32", "bf16-f32-i64"])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_merge_sparse_long_ascending(device, ddt, vdt, idt, threads):
+    """Ascending indices past the CPU's threading threshold (131,072), split among threads:
+    unique ones, and runs of duplicates that straddle every equal split of the positions."""
+    with cpu_threads(threads):
+        check_merge_sparse(device, BIG, ddt, vdt, idt, BIG // 20, False, 1.0, seed=22, offset=1,
+                           ascending=True)
+        check_merge_sparse(device, 50_000, ddt, vdt, idt, 300_000, True, 0.5, seed=23, offset=1,
+                           ascending=True)
+
+
+@pytest.mark.parametrize("threads", [2, 3, 4])
+def test_merge_sparse_threads_give_the_serial_bits(threads):
+    # bf16 rounds after every add, so a duplicate added out of order changes the bits.
+    g = gen(24)
+    idx = torch.randint(0, 20_000, (200_000,), generator=g).sort().values
+    vals = torch.randn(idx.numel(), generator=g)
+    dst0 = torch.randn(20_000, generator=g).to(bf16)
+    results = []
+    for n in (1, threads):
+        dst = dst0.clone()
+        with cpu_threads(n):
+            assert K.merge_sparse(dst, idx, vals, 0.3)
+        results.append(dst)
+    assert torch.equal(results[0], results[1])
 
 
 @pytest.mark.parametrize("device", DEVICES)
