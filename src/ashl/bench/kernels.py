@@ -43,7 +43,7 @@ from ashl.bench.shapes import ShapeList, model_shapes
 
 OPS = ["pack_delta", "pack_delta+residual", "pack_delta_fp16", "unpack_assign", "unpack_add",
        "merge_dense", "merge_sparse", "weighted_sum"]
-LISTS = ["vgg16", "resnet18", "transformer"]
+LISTS = ["vgg16", "resnet18", "transformer", "transformer-small"]
 SCALE = 0.5  # pack_delta+residual
 MERGE_WEIGHT = 0.25
 SPARSE_DENSITY = 0.01  # merge_sparse: top-1% of the elements
