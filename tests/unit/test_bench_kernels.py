@@ -25,6 +25,9 @@ def test_model_shapes():
     assert shapes.numel(s["resnet18"]) == 11_173_962  # kuangliu ResNet18
     assert 20_000_000 <= shapes.numel(s["transformer"]) <= 30_000_000
     assert 150 <= len(s["transformer"]) <= 400
+    # the same tensors, a seventh of the elements: the list where a cost per tensor shows
+    assert len(s["transformer-small"]) == len(s["transformer"])
+    assert shapes.numel(s["transformer-small"]) < shapes.numel(s["transformer"]) // 5
     for lst in s.values():
         assert all(isinstance(n, str) and all(d > 0 for d in shape) for n, shape in lst)
         assert len({n for n, _ in lst}) == len(lst)  # unique names
