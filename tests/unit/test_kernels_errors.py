@@ -114,6 +114,28 @@ def test_anchor_size_mismatch(op):
 
 
 @pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("first,second", [("size", "noncontig"), ("dtype", "size"),
+                                          ("noncontig", "dtype")])
+def test_the_first_bad_anchor_is_named(op, first, second):
+    """Two faults in one list: the error names the earlier tensor, whatever its fault (the
+    list is checked attribute by attribute first, then walked in order to find it)."""
+    c = Call()
+    faults = {"size": lambda i: torch.randn(11),
+              "dtype": lambda i: c.anchors[i].to(f16),
+              "noncontig": lambda i: noncontig(SHAPES[i])}
+    c.anchors[1] = faults[first](1)
+    c.anchors[3] = faults[second](3)
+    expect(ValueError, names("anchors[1]"), lambda: RUNNERS[op][0](c), c)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_parameters_pass(op):
+    c = Call()
+    c.params = [torch.nn.Parameter(p) for p in c.params]
+    RUNNERS[op][0](c)
+
+
+@pytest.mark.parametrize("op", OPS)
 def test_anchor_list_too_short(op):
     c = Call()
     c.anchors = c.anchors[:-1]
