@@ -389,6 +389,20 @@ void weighted_sum(const TensorList& out, const std::vector<TensorList>& inputs,
   dispatch_float<HostStorage>(out.dtype, "out", in_dtype, "inputs", [&](auto ot, auto it) {
     using O = typename decltype(ot)::type;
     using I = typename decltype(it)::type;
+    // Up to four inputs: one map pass, streamed from the registers like the other ops.
+    const std::array o{list<O>(out, stream)};
+    const float* w = weights.data();
+    const auto in = [&](size_t k) { return list<I>(inputs[k]); };
+    switch (inputs.size()) {
+      case 1: return map(out.numels, ops::WeightedSum<1>{{w[0]}}, o, in(0));
+      case 2: return map(out.numels, ops::WeightedSum<2>{{w[0], w[1]}}, o, in(0), in(1));
+      case 3:
+        return map(out.numels, ops::WeightedSum<3>{{w[0], w[1], w[2]}}, o, in(0), in(1), in(2));
+      case 4:
+        return map(out.numels, ops::WeightedSum<4>{{w[0], w[1], w[2], w[3]}}, o, in(0), in(1),
+                   in(2), in(3));
+      default: break;
+    }
     for_each_chunk(out.numels, [&](int32_t t, int64_t b, int64_t e) {
       O* o = static_cast<O*>(out.ptrs[t]);
       if (inputs.empty()) {

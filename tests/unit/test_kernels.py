@@ -629,6 +629,26 @@ def test_weighted_sum_many_tensors(device, count):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 5, 6, 9])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_weighted_sum_is_the_left_to_right_fp32_sum(device, k, in_place):
+    # Up to four inputs run as one elementwise pass, more in groups of four through a block:
+    # both must give the bits of w0*x0 + w1*x1 + ... rounded left to right. In place is how
+    # the outer optimizers call it (out is inputs[0]).
+    g = gen(40 + k)
+    shapes = [(5000,), (3, 7), (1,)] + ([(4_200_000,)] if k in (2, 5) else [])  # streamed
+    ins = [[torch.randn(s, generator=g).to(device) for s in shapes] for _ in range(k)]
+    w = [float(x) for x in torch.randn(k, generator=g)]
+    ref = [w[0] * t for t in ins[0]]
+    for wk, xs in zip(w[1:], ins[1:]):
+        ref = [r + wk * x for r, x in zip(ref, xs)]
+    out = ins[0] if in_place else [torch.empty_like(t) for t in ins[0]]
+    K.weighted_sum(out, ins, w)
+    for o, r in zip(out, ref):
+        assert torch.equal(o, r)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_weighted_sum_single_tensor(device):
     check_weighted_sum(device, [(9, 2)], f32, [bf16, bf16], [2.0, -1.0], seed=23, single=True)
 

@@ -56,6 +56,21 @@ struct AddScaled {
   ASHL_HD float operator()(float acc, float x) const { return acc + term(x); }
 };
 
+// weighted_sum of K <= 4 inputs in one pass: w[0]*x[0] + w[1]*x[1] + ...,
+// summed left to right exactly as AddScaled one input at a time.
+template <int K>
+struct WeightedSum {
+  float w[K];
+  template <class... X>
+  ASHL_HD float operator()(float x0, X... xs) const {
+    static_assert(sizeof...(X) + 1 == K, "one input per weight");
+    float a = AddScaled{w[0]}.term(x0);
+    int i = 1;
+    ((a = AddScaled{w[i++]}(a, xs)), ...);
+    return a;
+  }
+};
+
 // merge_dense's and merge_sparse's guard: NaN or +-Inf, i.e. all exponent
 // bits set. A bit test is immune to fast-math flags.
 ASHL_HD bool nonfinite(float x) {
