@@ -92,9 +92,10 @@ def add_run_options(parser: argparse.ArgumentParser, *, max_seconds: float,
     p.add_argument("--eval-every", type=float, default=None, metavar="SECONDS",
                    help="rank 0 evaluates at most this often (default: 0.25 s on digits and "
                         "synthetic data, 1 s on MNIST, 10 s on CIFAR-10)")
-    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=False,
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="parameter-server strategies (" + ", ".join(OVERLAPPING) + "): a rank "
-                        "keeps taking local steps while its commit is in flight")
+                        "keeps taking local steps while its commit is in flight (default: on "
+                        "for ashl, off for the others)")
 
 
 def check_run_options(args: argparse.Namespace,

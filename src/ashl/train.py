@@ -470,8 +470,8 @@ class Run:
             config.update(fault_tolerant=True, fault_timeout_s=a.fault_timeout)
         if getattr(a, "transport", None) is not None:
             config["transport"] = a.transport
-        if a.overlap:
-            config["overlap"] = True
+        if a.overlap is not None:          # None: the strategy's default
+            config["overlap"] = a.overlap
         if self.lead:
             config["evaluate"] = self.on_evaluate
         # Ranks finish importing and loading at different times (a loaded host skews them by
@@ -652,7 +652,7 @@ def build_summary(args, everyone: Sequence[dict], rows: Sequence[dict], wall: fl
         "stop_reason": stop_reason,
         "fault_tolerant": bool(getattr(args, "fault_tolerant", False)),
         "transport": counters[0].get("transport") if counters else None,
-        "overlap": bool(getattr(args, "overlap", False)),
+        "overlap": bool(counters and counters[0].get("overlap", {}).get("enabled")),
         # ranks a fault-tolerant run lost; in such a run per_rank holds rank 0 alone (the
         # others' counters would need a collective) and server.merged_by the rest
         "lost_ranks": counters[0].get("lost_ranks", []) if counters else [],

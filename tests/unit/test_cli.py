@@ -267,8 +267,8 @@ def test_the_step_time_option_wins_over_the_environment(monkeypatch):
 
 
 # ------------------------------------------------------------------------- --overlap
-def test_overlap_is_off_unless_asked_and_can_be_turned_off_again():
-    assert parser().parse_args([]).overlap is False
+def test_overlap_is_the_strategys_default_unless_given():
+    assert parser().parse_args([]).overlap is None      # on for ashl, off for the others
     assert parser().parse_args(["--overlap"]).overlap is True
     assert parser().parse_args(["--overlap", "--no-overlap"]).overlap is False
     assert "--overlap" in parser().format_help() and "--no-overlap" in parser().format_help()

@@ -190,8 +190,8 @@ def train_command(args, strategy: str, run_dir: str, compute: Sequence[float],
     transport = getattr(args, "transport", None)
     if transport is not None and strategy in PARAMETER_SERVER:
         cmd += ["--transport", transport]
-    if args.overlap and strategy in OVERLAPPING:   # the others have no commit in flight
-        cmd += ["--overlap"]
+    if args.overlap is not None and strategy in OVERLAPPING:   # None: each one's default
+        cmd += ["--overlap" if args.overlap else "--no-overlap"]
     if hosts is not None:
         cmd = hosts.command(0, cmd)
     return cmd
@@ -578,7 +578,8 @@ def scenario(args, setup: Setup) -> dict:
         "link_base": (None if args.netns else
                       args.link_base or f"{DEFAULT_LINK.latency_s:g},{DEFAULT_LINK.bytes_per_s:g}"),
         "netns": bool(args.netns),
-        "overlap": bool(args.overlap),   # the parameter-server strategies' commits overlap
+        # the parameter-server strategies' commits overlap (None: each one's default)
+        "overlap": args.overlap,
         "model": args.model, "dataset": args.dataset, "seed": args.seed, "seeds": setup.seeds,
         "batch_size": args.batch_size, "lr": args.lr, "step_time_s": args.step_time,
         "comm_compute_ratio": _comm_compute_ratio(args),

@@ -67,10 +67,13 @@ def check_transport(transport, fault_tolerant: bool) -> str:
     if problem is not None:
         raise ValueError(f"transport={transport!r}: {problem}")
     return transport
-def check_overlap(overlap) -> bool:
-    """overlap= must be a bool."""
+def check_overlap(overlap, default: bool) -> bool:
+    """overlap= must be a bool, or None for the strategy's default."""
+    if overlap is None:
+        return default
     if not isinstance(overlap, bool):
-        raise ValueError(f"overlap must be True or False, got {overlap!r}")
+        raise ValueError(f"overlap must be True, False or None (the strategy's default), "
+                         f"got {overlap!r}")
     return overlap
 
 
@@ -98,6 +101,7 @@ class ServerStrategy(Strategy):
 
     accepts_compression = ("none", "fp16", "topk")
     default_outer = "none"          # outer_optimizer=None: this (outer.py)
+    overlaps_by_default = False     # overlap=None: this
 
     def __init__(self, model, params, *, sampler=None, comm=None, compression=None,
                  staleness: str = "polynomial(0.5)", bound: int = 3, server_rank: int = 0,
@@ -108,10 +112,10 @@ class ServerStrategy(Strategy):
                  evaluate=None, eval_every_s: float = 2.0, poll_s: float = 2e-4,
                  heterogeneity=None, profile_steps: int = 10, fault_tolerant: bool = False,
                  fault_timeout_s: float = 5.0, startup_timeout_s: Optional[float] = None,
-                 transport: str = DEFAULT_TRANSPORT, overlap: bool = False):
+                 transport: str = DEFAULT_TRANSPORT, overlap: Optional[bool] = None):
         self.fault_tolerant = check_fault_tolerance(fault_tolerant, fault_timeout_s)
         self.transport = check_transport(transport, self.fault_tolerant)
-        self.overlap = check_overlap(overlap)
+        self.overlap = check_overlap(overlap, self.overlaps_by_default)
         self.fault_timeout_s = float(fault_timeout_s)
         # A replacement for a lost rank (ASHL_JOIN=tcp://host:port) starts alone and takes
         # the slot, size and server rank the run's server gives it (_join).

@@ -132,8 +132,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         a worker that dies or falls silent is dropped and the others go on, docs/LAUNCHING.md;
         transport="zmq" (default) or "mpi" for the parameter-server strategies: how commits
         travel, docs/LAUNCHING.md;
-        overlap=True for the parameter-server strategies: a rank keeps taking local steps
-        while its commit is in flight, docs/DESIGN.md "Overlapped commits").
+        overlap for the parameter-server strategies: a rank keeps taking local steps
+        while its commit is in flight, docs/DESIGN.md "Overlapped commits" (default: on for
+        ashl, off for the others).
 
     ``finish()`` is optional: a rank leaves the run by itself when the interpreter exits
     (before MPI is finalised), and every rank ends with the final global model.
