@@ -443,6 +443,7 @@ class ZmqRankEnd(RankEnd):
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         # an inproc connection is made at once, and has no events
         self.connected = endpoint.startswith("inproc://")
+        self.lost_at: Optional[float] = None   # time.monotonic of the server's disconnect
         self.sock.connect(endpoint)
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
@@ -465,57 +466,58 @@ class ZmqRankEnd(RankEnd):
             raise ServerLost("the parameter server failed") from error
 
     def recv(self, buffer: MessageBuffer) -> Message:
-        import zmq
-        from zmq.utils.monitor import recv_monitor_message
-        started, lost_at = time.monotonic(), None
+        started = time.monotonic()
         while True:
-            ready = dict(self.poller.poll(50 if lost_at else 250))
+            ready = dict(self.poller.poll(50 if self.lost_at else 250))
             if self.sock in ready:   # what arrived before a disconnect is still the server's
                 count = _recv_frames(self.sock, buffer)
                 return protocol.received(buffer, count, self.server_rank or 0,
                                          world_size=self.world_size, model_numel=self.model_numel,
                                          check_source=self.server_rank is not None)
             if self.monitor in ready:
-                event = recv_monitor_message(self.monitor)["event"]
-                if event == zmq.EVENT_DISCONNECTED:
-                    lost_at = lost_at or time.monotonic()
-                self.connected = self.connected or event == zmq.EVENT_CONNECTED
-            self._check_server()
-            now = time.monotonic()
-            where = (self.endpoint if self.server_rank is None
-                     else f"rank {self.server_rank}, {self.endpoint}")
-            if lost_at is not None and now - lost_at > self.DRAIN_S:
-                raise ServerLost(f"lost the parameter server ({where}): its connection closed")
-            if not self.connected and now - started > self.timeout_s:
-                raise ServerLost(f"could not reach the parameter server ({where}) in "
+                self._take_event()
+            self._check_lost()
+            if not self.connected and time.monotonic() - started > self.timeout_s:
+                raise ServerLost(f"could not reach the parameter server ({self._where()}) in "
                                  f"{self.timeout_s:g} s")
 
     def poll(self, timeout_s: float = 0.0) -> bool:
-        """As recv's wait, in slices: the disconnect it sees is remembered across calls until
-        a reconnect (what arrived before it is still the server's, for DRAIN_S)."""
-        import zmq
-        from zmq.utils.monitor import recv_monitor_message
+        """As recv's wait, in slices (an overlapped commit's reply, between local steps)."""
         deadline = time.monotonic() + timeout_s
         while True:
             ready = dict(self.poller.poll(int(max(0.0, deadline - time.monotonic()) * 1000)))
             if self.sock in ready:
                 return True
             if self.monitor in ready:
-                event = recv_monitor_message(self.monitor)["event"]
-                if event == zmq.EVENT_DISCONNECTED:
-                    self._lost_at = getattr(self, "_lost_at", None) or time.monotonic()
-                elif event == zmq.EVENT_CONNECTED:   # back again: it was a passing drop
-                    self._lost_at = None
-                self.connected = self.connected or event == zmq.EVENT_CONNECTED
-            error = self.server_error()
-            if error is not None:
-                raise ServerLost("the parameter server failed") from error
-            lost_at = getattr(self, "_lost_at", None)
-            if lost_at is not None and time.monotonic() - lost_at > self.DRAIN_S:
-                raise ServerLost(f"lost the parameter server ({self.endpoint}): its "
-                                 "connection closed")
+                self._take_event()
+            self._check_lost()
             if time.monotonic() >= deadline:
                 return False
+
+    def _take_event(self) -> None:
+        """One event of the connection's monitor. A disconnect is remembered in lost_at, by
+        whichever of poll and recv read it, until a reconnect (a passing drop): a disconnect
+        that poll read must still end the recv that follows it."""
+        import zmq
+        from zmq.utils.monitor import recv_monitor_message
+        event = recv_monitor_message(self.monitor)["event"]
+        if event == zmq.EVENT_DISCONNECTED:
+            self.lost_at = self.lost_at or time.monotonic()
+        elif event == zmq.EVENT_CONNECTED:
+            self.lost_at = None
+            self.connected = True
+
+    def _check_lost(self) -> None:
+        """ServerLost if this process's server thread failed, or if the connection closed
+        DRAIN_S ago (what it sent before its disconnect has landed by then)."""
+        self._check_server()
+        if self.lost_at is not None and time.monotonic() - self.lost_at > self.DRAIN_S:
+            raise ServerLost(f"lost the parameter server ({self._where()}): its connection "
+                             "closed")
+
+    def _where(self) -> str:
+        return (self.endpoint if self.server_rank is None
+                else f"rank {self.server_rank}, {self.endpoint}")
 
     def close(self) -> None:
         self.sock.disable_monitor()
