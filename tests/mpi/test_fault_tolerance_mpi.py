@@ -2,6 +2,7 @@
 nothing merged is lost). Each job is ``python -m ashl.run mpirun --enable-recovery ...
 python -m ashl.train --fault-tolerant`` on 4 GPU-like uneven ranks (10 ms x 1,1,2,4)."""
 import json
+import re
 import time
 from pathlib import Path
 
@@ -120,11 +121,15 @@ def test_a_users_script_loses_a_worker_killed_in_the_middle_of_its_commit(tmp_pa
     job = Job(tmp_path, 4, "--die-in-send", 3, "--at-commit", 8,
               script=Path(__file__).parent / "ft_script.py")
     assert job.finish(150) == LOST, job.text()[-3000:]
-    assert "rank 3: killed in the middle of commit 7" in job.text()
+    # the hook goes in once the rank counts 7 commits; with overlapped commits (ashl's
+    # default) the one it catches may be the commit still in flight then, the 7th (number 6)
+    killed = re.search(r"rank 3: killed in the middle of commit (\d+)", job.text())
+    assert killed and int(killed.group(1)) in (6, 7), job.text()[-3000:]
     results = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1, 2)}
     assert not (tmp_path / "rank3.json").exists()
     server = results[0]["counters"]["server"]
-    assert server["merged_by"][3] == 7 and server["rejected_invalid"] == 0
+    # every commit before the half-sent one was merged, the half-sent one never
+    assert server["merged_by"][3] == int(killed.group(1)) and server["rejected_invalid"] == 0
     for r, result in results.items():
         assert [x["rank"] for x in result["lost_ranks"]] == [3]
         assert result["counters"]["accepted"] == server["merged_by"][r]
