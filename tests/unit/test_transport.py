@@ -570,15 +570,21 @@ def test_a_rank_end_polls_for_its_reply_without_waiting(ends):
     assert rank.poll(0.0) is False
 
 
-@pytest.mark.timeout(60)   # the bug this pins was a recv that waited for ever
-def test_a_disconnect_that_poll_read_still_ends_the_next_recv(ends):
-    # An overlapped commit polls between steps, then waits at its round's end: the poll may
-    # read the disconnect event before DRAIN_S is over, and the recv after it sees no event.
+def a_rank_whose_server_closed(ends):
+    """A rank end that reached its server, which then closed."""
     server = ends.server()
     rank = ends.rank(server)
     rank.send(header(Kind.PLAN, 1, DType.UINT8, 0))
     poll(server)
     ends.close(server)
+    return rank
+
+
+@pytest.mark.timeout(60)   # the bug this pins was a recv that waited for ever
+def test_a_disconnect_that_poll_read_still_ends_the_next_recv(ends):
+    # An overlapped commit polls between steps, then waits at its round's end: the poll may
+    # read the disconnect event before DRAIN_S is over, and the recv after it sees no event.
+    rank = a_rank_whose_server_closed(ends)
     deadline = time.monotonic() + WAIT_S
     while rank.lost_at is None and time.monotonic() < deadline:
         assert rank.poll(0.01) is False
@@ -588,11 +594,7 @@ def test_a_disconnect_that_poll_read_still_ends_the_next_recv(ends):
 
 
 def test_a_rank_end_polling_a_closed_server_raises_server_lost(ends):
-    server = ends.server()
-    rank = ends.rank(server)
-    rank.send(header(Kind.PLAN, 1, DType.UINT8, 0))
-    poll(server)
-    ends.close(server)
+    rank = a_rank_whose_server_closed(ends)
     deadline = time.monotonic() + WAIT_S
     with pytest.raises(ServerLost, match="connection closed"):
         while time.monotonic() < deadline:
