@@ -36,8 +36,9 @@ parser.add_argument("--compression", default=None,
 parser.add_argument("--outer-optimizer", default=None,
                     help="e.g. nesterov(0.7, 0.9); default: the strategy's own")
 parser.add_argument("--seed", type=int, default=0)
-parser.add_argument("--overlap", action="store_true",
-                    help="parameter-server strategies: keep stepping while a commit travels")
+parser.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
+                    help="parameter-server strategies: keep stepping while a commit travels "
+                         "(default: the strategy's, on for ashl)")
 parser.add_argument("--max-commits", type=int, default=None)
 parser.add_argument("--checkpoint", default=None, help="save here after every epoch")
 parser.add_argument("--resume", default=None, help="continue the run saved here")
@@ -78,7 +79,7 @@ opt = ashl.DistributedOptimizer(opt, model=model, sampler=sampler, strategy=args
                                 compression=compression, stage_config=stages,
                                 evaluate=accuracy, eval_every_s=0.5, profile_steps=5,
                                 outer_optimizer=args.outer_optimizer,
-                                **({"overlap": True} if args.overlap else {}))
+                                **({} if args.overlap is None else {"overlap": args.overlap}))
 ashl.broadcast_parameters(model.state_dict(), root_rank=0)
 if args.resume:
     opt.load_checkpoint(args.resume)
