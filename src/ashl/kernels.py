@@ -70,11 +70,12 @@ def flat_numel(tensors: TensorOrList) -> int:
 
 
 def flat_offsets(tensors: TensorOrList) -> list[int]:
-    offsets, off = [], 0
-    for t in _as_list(tensors, "tensors"):
-        offsets.append(off)
-        off += t.numel()
-    return offsets
+    return _offsets([t.numel() for t in _as_list(tensors, "tensors")])
+
+
+def _offsets(numels: list[int]) -> list[int]:
+    """Each tensor's start in the flat layout."""
+    return [0, *itertools.accumulate(numels)][:len(numels)]
 
 
 # --- validation ---------------------------------------------------------------
@@ -123,8 +124,7 @@ class _Scan:
         return sum(self.numels)
 
     def offsets(self) -> list[int]:
-        """Each tensor's start in the flat layout."""
-        return [0, *itertools.accumulate(self.numels)][:len(self.numels)]
+        return _offsets(self.numels)
 
     def native(self, idx: list[int], dtype) -> "_C.TensorList":
         """The tensors at ``idx`` (all of one dtype) as a native list."""
