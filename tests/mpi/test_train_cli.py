@@ -255,6 +255,13 @@ def test_three_ranks_reach_the_target_and_leave_every_output(tmp_path):
     pids = {e["pid"] for e in trace["traceEvents"]}
     assert pids == {0, 1, 2}
     assert any(e["name"] == "commit" for e in trace["traceEvents"])
+    # the profiling round, each rank's first: every rank its 10 steps at least, and the
+    # ranks through them first stepped on until the slowest was too (factors 1,2,3)
+    first = {}
+    for e in trace["traceEvents"]:
+        if e["name"] == "compute":
+            first.setdefault(e["pid"], e["args"]["steps"])
+    assert min(first.values()) >= 10 and max(first.values()) > 10, first
 
 
 def summary(out):

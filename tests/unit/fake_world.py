@@ -41,6 +41,7 @@ class _Group:
         self.slots = [None] * size
         self.lock = threading.Lock()
         self.dups = defaultdict(lambda: None)       # dup number -> _Group
+        self.ibarriers = defaultdict(int)           # Ibarrier number -> ranks entered
 
     def collective(self, rank: int, value):
         """Every rank's value, in rank order, on every rank."""
@@ -56,6 +57,7 @@ class FakeComm:
     def __init__(self, group: _Group, rank: int):
         self.group, self.rank = group, rank
         self._dups = 0
+        self._ibarriers = 0
         self.freed = False
 
     def Get_rank(self):
@@ -123,8 +125,11 @@ class FakeComm:
         self.group.collective(self.rank, None)
 
     def Ibarrier(self):
-        self.Barrier()
-        return _Request(lambda: (True, None))
+        """Non-blocking, as MPI's: the request completes once every rank has entered."""
+        n, self._ibarriers = self._ibarriers, self._ibarriers + 1
+        with self.group.lock:
+            self.group.ibarriers[n] += 1
+        return _Request(lambda: (self.group.ibarriers[n] == self.group.size, None))
 
 
 class FakeHorovod:

@@ -2,6 +2,8 @@
 threads, a real model and optimizer, the real strategy classes, no mpirun."""
 import math
 import re
+import threading
+import time
 
 import pytest
 import torch
@@ -10,6 +12,7 @@ import ashl.torch as ashl
 from ashl.compression import Compression
 from ashl.stages import StageConfig
 from ashl.strategies import make_strategy
+from ashl.strategies.base import ProfileBarrier
 from ashl.strategies.control import ControlSlots, decide
 from ashl.stages import Stage, StageMachine
 
@@ -68,6 +71,30 @@ def test_every_rank_ends_with_the_same_model_after_the_same_rounds(strategy):
         assert r["stage"] == "DONE"
     if strategy == "ashl-sync":
         assert all(r["plan"] == results[0]["plan"] for r in results)
+
+
+def test_the_first_rank_through_its_profiling_steps_keeps_stepping_until_the_last_is():
+    """ProfileBarrier (ashl, async-localsgd): entered after a rank's own profiling steps, it
+    lets nobody through before every rank is in; a rank that never tested it (one that
+    stopped early) passes with wait()."""
+    rank0_stepping = threading.Event()
+
+    def rank_fn(comm, hvd):
+        barrier = ProfileBarrier(comm.Dup())
+        if comm.Get_rank() == 0:
+            steps = 0
+            while not barrier.arrived():
+                steps += 1
+                if steps == 5:
+                    rank0_stepping.set()       # only now is rank 1 done profiling
+                time.sleep(0.01)
+            return steps
+        assert rank0_stepping.wait(10)
+        barrier.wait()
+        return barrier.arrived()
+
+    steps, passed = FakeWorld(2).run(rank_fn)
+    assert steps >= 5 and passed is True
 
 
 def test_diloco_takes_the_outer_nesterov_step_on_the_average_parameters_only():

@@ -22,6 +22,7 @@ class AshlStrategy(ServerStrategy):
     overlaps_by_default = True
 
     profiled = True
+    steps_while_others_profile = True
 
     def _make_plan(self) -> None:
         """Collective: every rank's profile (its timed steps and a measured commit), the plan

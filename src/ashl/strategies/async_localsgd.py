@@ -33,6 +33,7 @@ class AsyncLocalSgdStrategy(ServerStrategy):
     name = "async-localsgd"
     single_stage = True
     profiled = True
+    steps_while_others_profile = True
     default_outer = "delayed-nesterov(0.7, 0.5)"
 
     def __init__(self, model, params, *, local_steps: int = 8, stage_config=None, **kwargs):

@@ -38,6 +38,31 @@ from .model_state import model_state
 log = logging.getLogger("ashl")
 
 
+class ProfileBarrier:
+    """Has every rank taken its profiling steps? A non-blocking barrier, entered once by a
+    rank whose own profiling steps are done and tested after each step it takes on, so that
+    the faster ranks keep training (and timing their steps) while the slowest profiles."""
+
+    POLL_S = 1e-3
+
+    def __init__(self, comm):
+        self.comm, self.request, self.passed = comm, None, False
+
+    def arrived(self) -> bool:
+        """Enter (the first time); True once every rank has entered."""
+        if self.request is None:
+            self.request = self.comm.Ibarrier()
+        if not self.passed:
+            self.passed = bool(self.request.test()[0])
+        return self.passed
+
+    def wait(self) -> None:
+        """Enter if not yet, and wait for every rank (polled: Open MPI's blocking waits spin
+        a core)."""
+        while not self.arrived():
+            time.sleep(self.POLL_S)
+
+
 class StepClock:
     """Compute seconds per local step: from the end of one step() to the end of the next,
     less the communication inside it (so forward, backward and data loading all count)."""
@@ -120,6 +145,9 @@ class Strategy:
     profiled = False          # ashl, ashl-sync: timed steps first, then the plan's H_i
     accepts_compression = ()  # names of the compressors this strategy can send with
     fault_tolerant = False        # this run survives a lost rank: no collective at the end
+    # profiled: after its profile_steps a rank keeps stepping until every rank has taken its
+    # own (ProfileBarrier), instead of idling while the slowest profiles
+    steps_while_others_profile = False
 
     def __init__(self, model, params, *, comm, sampler=None, heterogeneity=None,
                  evaluate: Optional[Callable[[], float]] = None, eval_every_s: float = 2.0,
@@ -142,6 +170,7 @@ class Strategy:
             raise ValueError(f"profile_steps must be an integer >= 3 (one is warm-up), "
                              f"got {profile_steps!r}")
         self.profile_steps = profile_steps
+        self.profile_barrier = ProfileBarrier(self.comm)
         # Can an accuracy target be met? Only the control rank must pass evaluate=.
         self.evaluates = bool(self.comm.bcast(evaluate is not None, root=control_rank))
         self.evaluations = Evaluations(evaluate if self.rank == control_rank else None,
@@ -187,6 +216,8 @@ class Strategy:
         return self.plan.local_steps(self.rank, self.stage)
 
     def _round_done(self) -> bool:
+        if self.stage is Stage.PROFILE and self.steps_while_others_profile:
+            return self.round_steps >= self.profile_steps and self.profile_barrier.arrived()
         return self.round_steps >= self.local_steps_target()
 
     def _make_plan(self) -> None:
@@ -296,6 +327,10 @@ class Strategy:
             self.clock.pause(evaluating)
 
     def _plan(self) -> None:
+        if self.steps_while_others_profile:
+            # entered by every rank once, even one that stopped before its profiling steps:
+            # the collectives of the plan line up
+            self.profile_barrier.wait()
         self.planned = True
         self._make_plan()
 
