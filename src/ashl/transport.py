@@ -233,7 +233,8 @@ def _recv_frames(sock, buffer: MessageBuffer) -> int:
     return head + off
 
 
-def _send_parts(sock, prefix: list, header: Header, payload, wait: Optional[float]) -> bool:
+def _send_parts(sock, prefix: list, header: Header, payload, wait: Optional[float],
+                copy: bool = False) -> bool:
     """Header frame, then the payload in frames of at most _CHUNK bytes, without copying.
     With `wait` (seconds), returns once ZeroMQ has let go of the payload (written out, or
     dropped with a gone peer), so the caller may change it, as after MPI_Send: the server,
@@ -241,7 +242,9 @@ def _send_parts(sock, prefix: list, header: Header, payload, wait: Optional[floa
     (a peer that stopped reading: it is lost, what it receives does not matter). A rank does
     not wait (its commit may sit queued for a server that is gone, and a DEALER queues for
     ever): it reuses its send buffer only after the reply, which the server sends once it
-    has the whole commit."""
+    has the whole commit. `copy`: the payload is copied into ZeroMQ's messages now, and
+    nothing waits (the server's reply to its own rank: a zero-copy frame over inproc is held
+    until that rank reads it, which an overlapped rank does only after its current step)."""
     import zmq
     head = protocol.encode(header)
     want = header.payload_nbytes
@@ -257,10 +260,11 @@ def _send_parts(sock, prefix: list, header: Header, payload, wait: Optional[floa
     for part in prefix + [head]:
         sock.send(part, zmq.SNDMORE)
     # every chunk zero-copy and tracked (a small one would be copied, its tracker done at once)
-    trackers = [sock.send(chunk, 0 if i == len(chunks) - 1 else zmq.SNDMORE, copy=False,
-                          track=wait is not None) for i, chunk in enumerate(chunks)]
+    track = wait is not None and not copy
+    trackers = [sock.send(chunk, 0 if i == len(chunks) - 1 else zmq.SNDMORE, copy=copy,
+                          track=track) for i, chunk in enumerate(chunks)]
     deadline = time.monotonic() + (wait or 0.0)
-    for tracker in trackers if wait is not None else ():
+    for tracker in trackers if track else ():
         try:
             tracker.wait(max(1e-3, deadline - time.monotonic()))
         except zmq.NotDone:
@@ -324,6 +328,7 @@ class ZmqServerEnd(ServerEnd):
         self.owner: dict[int, bytes] = {}          # rank -> the identity that is that rank
         self.fd_identity: dict[int, bytes] = {}    # connection -> who speaks through it
         self.lost: list[PeerLost] = []             # disconnects seen, not yet returned
+        self.own_identity: Optional[bytes] = None  # the server rank's own end (own_end)
         if port:
             self.sock.bind(f"tcp://*:{port}")
             self.port = port
@@ -336,11 +341,13 @@ class ZmqServerEnd(ServerEnd):
     def own_end(self, rank: int, *, server_error: Callable[[], Optional[BaseException]]
                 = lambda: None) -> "ZmqRankEnd":
         """The server rank's own end: a DEALER in this process, over inproc (no TCP, no
-        copy on the way in but the one into the server's buffer)."""
+        copy on the way in but the one into the server's buffer; replies to it are copied
+        out, see send)."""
+        self.own_identity = rank_identity(rank)
         return ZmqRankEnd(self.inproc, rank, self.model_numel, world_size=self.world_size,
                           server_rank=rank, heartbeat_s=self.heartbeat_s,
-                          timeout_s=self.timeout_s, server_error=server_error,
-                          context=self.shared.share())
+                          timeout_s=self.timeout_s, identity=self.own_identity,
+                          server_error=server_error, context=self.shared.share())
 
     def poll(self, timeout_s: float):
         import zmq
@@ -401,7 +408,11 @@ class ZmqServerEnd(ServerEnd):
         if peer is None:
             return False
         try:
-            return _send_parts(self.sock, [peer], header, payload, wait=self.timeout_s)
+            # to the own rank: copied (4 MB in about a millisecond) rather than held until
+            # that rank reads it, which would stall every other rank's reply meanwhile
+            own = peer == self.own_identity
+            return _send_parts(self.sock, [peer], header, payload, wait=self.timeout_s,
+                               copy=own)
         except zmq.ZMQError as exc:
             if exc.errno == zmq.EHOSTUNREACH:
                 return False

@@ -66,6 +66,26 @@ def test_the_server_ranks_own_end_is_inproc_byte_for_byte(server):
         own.close()
 
 
+def test_a_reply_to_the_own_rank_is_sent_before_that_rank_reads_it(server):
+    """An overlapped server rank reads its reply only between its steps: the server thread
+    must not stand still until then, holding every other rank's reply. send() gives the reply
+    to ZeroMQ as a copy (a zero-copy frame over inproc is held until read: send would wait
+    out timeout_s and return False), so the global model may change at once."""
+    own = server.own_end(0)
+    try:
+        own.send(*delta(0, 1000))
+        poll(server)
+        model = torch.arange(1000, dtype=torch.float32)
+        reply = Header(kind=Kind.REPLY, rank=0, stage=Stage.AHL, dtype=DType.FLOAT32,
+                       numel=1000, base_version=1, flags=Flag.ACCEPTED)
+        assert server.send(0, reply, model) is True      # nobody has read it yet
+        model.fill_(-1.0)                                 # the next merge
+        answer = own.recv(MessageBuffer(4000))
+        assert torch.equal(answer.dense(), torch.arange(1000, dtype=torch.float32))
+    finally:
+        own.close()
+
+
 def test_an_inproc_end_waits_past_the_timeout_for_a_held_reply(server):
     """A held SHL reply may come after any time; an inproc end has no connect event, and
     must not take the wait for an unreachable server."""
