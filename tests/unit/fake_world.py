@@ -34,14 +34,18 @@ class _Request:
 class _Group:
     """What the ranks of one communicator share: mailboxes and a collective rendezvous."""
 
-    def __init__(self, size: int):
-        self.size = size
+    def __init__(self, size: int, parent: "_Group | None" = None):
+        self.size, self.parent = size, parent
         self.boxes = defaultdict(queue.Queue)       # (source, dest, tag) -> messages
         self.barrier = threading.Barrier(size, timeout=30)
         self.slots = [None] * size
         self.lock = threading.Lock()
         self.dups = defaultdict(lambda: None)       # dup number -> _Group
         self.ibarriers = defaultdict(int)           # Ibarrier number -> ranks entered
+
+    def aborted(self) -> bool:
+        """A rank failed (FakeWorld.run aborts the world's barrier; a dup's follows it)."""
+        return self.barrier.broken or (self.parent is not None and self.parent.aborted())
 
     def collective(self, rank: int, value):
         """Every rank's value, in rank order, on every rank."""
@@ -71,7 +75,7 @@ class FakeComm:
         with self.group.lock:
             sub = self.group.dups[self._dups]
             if sub is None:
-                sub = self.group.dups[self._dups] = _Group(self.group.size)
+                sub = self.group.dups[self._dups] = _Group(self.group.size, self.group)
         return FakeComm(sub, self.rank)
 
     def Free(self):
@@ -129,7 +133,12 @@ class FakeComm:
         n, self._ibarriers = self._ibarriers, self._ibarriers + 1
         with self.group.lock:
             self.group.ibarriers[n] += 1
-        return _Request(lambda: (self.group.ibarriers[n] == self.group.size, None))
+
+        def poll():
+            if self.group.aborted():
+                raise threading.BrokenBarrierError
+            return self.group.ibarriers[n] == self.group.size, None
+        return _Request(poll)
 
 
 class FakeHorovod:

@@ -206,6 +206,14 @@ class Strategy:
             # An evaluation between epochs, or waiting there for the other ranks, is not a
             # step's compute: the plan would take this rank for a slow one.
             sampler.on_iteration(self.clock.restart)
+        # Stepping on while the others profile is safe only within a pass: a rank that went
+        # on into its next epoch would meet the script's collectives between epochs (an
+        # hvd.allreduce of its metrics) while the others are in the plan's. It needs the
+        # sampler to say where a pass ends; with another, every rank profiles in lockstep.
+        self.steps_while_others_profile = (self.steps_while_others_profile
+                                           and hasattr(sampler, "on_exhausted"))
+        if self.steps_while_others_profile:
+            sampler.on_exhausted(self._end_of_profiling_pass)
 
     # ------------------------------------------------------------ what a strategy supplies
     def local_steps_target(self) -> int:
@@ -318,13 +326,24 @@ class Strategy:
             self.profiler.record("compute", dt)
         self._between_steps()
         if not self.finished and self._round_done():
-            t0, evals = time.perf_counter(), self.evaluations.spent_s
-            if not self.planned:
-                self._plan()
-            self._exchange()
-            evaluating = self.evaluations.spent_s - evals
-            self.clock.exclude(time.perf_counter() - t0 - evaluating)
-            self.clock.pause(evaluating)
+            self._end_round()
+
+    def _end_round(self) -> None:
+        """The plan if there is none yet, then the exchange; neither is a step's compute."""
+        t0, evals = time.perf_counter(), self.evaluations.spent_s
+        if not self.planned:
+            self._plan()
+        self._exchange()
+        evaluating = self.evaluations.spent_s - evals
+        self.clock.exclude(time.perf_counter() - t0 - evaluating)
+        self.clock.pause(evaluating)
+
+    def _end_of_profiling_pass(self) -> None:
+        """The sampler's pass is over while this rank steps on waiting for the others'
+        profiling: the profiling round ends here, before the script's code between epochs."""
+        if (self.stage is Stage.PROFILE and not self.planned and not self.finished
+                and self.round_steps >= self.profile_steps):
+            self._end_round()
 
     def _plan(self) -> None:
         if self.steps_while_others_profile:
