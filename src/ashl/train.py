@@ -472,6 +472,9 @@ class Run:
             config["transport"] = a.transport
         if a.overlap is not None:          # None: the strategy's default
             config["overlap"] = a.overlap
+        if a.strategy in ("ashl", "async-localsgd"):
+            # this loop calls no collective between epochs for them (Checkpoints.after_epoch)
+            config["profile_within_epoch"] = False
         if self.lead:
             config["evaluate"] = self.on_evaluate
         # Ranks finish importing and loading at different times (a loaded host skews them by

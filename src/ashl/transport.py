@@ -235,7 +235,8 @@ def _recv_frames(sock, buffer: MessageBuffer) -> int:
 
 def _send_parts(sock, prefix: list, header: Header, payload, wait: Optional[float],
                 copy: bool = False) -> bool:
-    """Header frame, then the payload in frames of at most _CHUNK bytes, without copying.
+    """Header frame, then the payload in frames of at most _CHUNK bytes, without copying
+    (unless `copy`).
     With `wait` (seconds), returns once ZeroMQ has let go of the payload (written out, or
     dropped with a gone peer), so the caller may change it, as after MPI_Send: the server,
     whose replies carry the global model it keeps merging into; False if that took longer
@@ -343,6 +344,7 @@ class ZmqServerEnd(ServerEnd):
         """The server rank's own end: a DEALER in this process, over inproc (no TCP, no
         copy on the way in but the one into the server's buffer; replies to it are copied
         out, see send)."""
+        assert self.own_identity is None, "one own end per server end"
         self.own_identity = rank_identity(rank)
         return ZmqRankEnd(self.inproc, rank, self.model_numel, world_size=self.world_size,
                           server_rank=rank, heartbeat_s=self.heartbeat_s,

@@ -12,10 +12,11 @@ import ashl.torch as ashl
 from ashl.compression import Compression
 from ashl.stages import StageConfig
 from ashl.strategies import make_strategy
-from ashl.strategies.base import ProfileBarrier
+from ashl.strategies.base import ProfileBarrier, Strategy
 from ashl.strategies.control import ControlSlots, decide
 from ashl.stages import Stage, StageMachine
 
+from ashl.torch.optimizer import _strategy_options
 from fake_world import FakeWorld
 
 
@@ -95,6 +96,41 @@ def test_the_first_rank_through_its_profiling_steps_keeps_stepping_until_the_las
 
     steps, passed = FakeWorld(2).run(rank_fn)
     assert steps >= 5 and passed is True
+
+
+class _SteppingOn(Strategy):
+    """A profiled strategy whose ranks step on while the others profile (as ashl's)."""
+    profiled = True
+    steps_while_others_profile = True
+
+
+def test_stepping_on_while_profiling_keeps_to_the_pass_unless_the_script_opts_out():
+    """Within the pass (default): only with a sampler that says where a pass ends, which
+    then calls the strategy there; profile_within_epoch=False: with any sampler, no hook."""
+    def rank_fn(comm, hvd):
+        model = torch.nn.Linear(2, 1)
+        params = list(model.parameters())
+        sampler = ashl.HeterogeneousSampler(list(range(8)), num_replicas=1, rank=0)
+        within = _SteppingOn(model, params, comm=comm, sampler=sampler)
+        hooks = len(sampler._on_exhausted)
+        across = _SteppingOn(model, params, comm=comm, sampler=sampler,
+                             profile_within_epoch=False)
+        unknown_pass = _SteppingOn(model, params, comm=comm, sampler=None)
+        with pytest.raises(ValueError, match="profile_within_epoch must be True or False"):
+            _SteppingOn(model, params, comm=comm, sampler=sampler, profile_within_epoch="no")
+        return (within.steps_while_others_profile, hooks, across.steps_while_others_profile,
+                len(sampler._on_exhausted), unknown_pass.steps_while_others_profile)
+
+    assert FakeWorld(1).run(rank_fn)[0] == (True, 1, True, 1, False)
+
+
+@pytest.mark.parametrize("strategy", ["localsgd", "ashl-sync", "bsp", "adsp"])
+def test_profile_within_epoch_is_refused_where_no_rank_steps_on_while_profiling(strategy):
+    with pytest.raises(ValueError, match=r"profile_within_epoch applies to .*\(ashl, "
+                                         r"async-localsgd\), not '" + strategy):
+        _strategy_options(strategy, 3, {"profile_within_epoch": False})
+    assert _strategy_options("ashl", 3, {"profile_within_epoch": False})["profile_within_epoch"] \
+        is False
 
 
 def test_diloco_takes_the_outer_nesterov_step_on_the_average_parameters_only():

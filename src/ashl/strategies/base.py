@@ -44,6 +44,10 @@ class ProfileBarrier:
     the faster ranks keep training (and timing their steps) while the slowest profiles."""
 
     POLL_S = 1e-3
+    # Entering, a rank tests this long: the last one in would otherwise find the barrier not
+    # yet complete (the others' answers are in flight) and take one more of its slow steps,
+    # the others waiting (2 of 3 runs of the x4 rank took 11 profiling steps instead of 10).
+    GRACE_S = 0.02
 
     def __init__(self, comm):
         self.comm, self.request, self.passed = comm, None, False
@@ -52,6 +56,12 @@ class ProfileBarrier:
         """Enter (the first time); True once every rank has entered."""
         if self.request is None:
             self.request = self.comm.Ibarrier()
+            deadline = time.monotonic() + self.GRACE_S
+            while not self._test() and time.monotonic() < deadline:
+                time.sleep(self.POLL_S / 4)
+        return self._test()
+
+    def _test(self) -> bool:
         if not self.passed:
             self.passed = bool(self.request.test()[0])
         return self.passed
@@ -146,13 +156,14 @@ class Strategy:
     accepts_compression = ()  # names of the compressors this strategy can send with
     fault_tolerant = False        # this run survives a lost rank: no collective at the end
     # profiled: after its profile_steps a rank keeps stepping until every rank has taken its
-    # own (ProfileBarrier), instead of idling while the slowest profiles
+    # own (ProfileBarrier), instead of idling while the slowest profiles (within its epoch,
+    # unless profile_within_epoch=False)
     steps_while_others_profile = False
 
     def __init__(self, model, params, *, comm, sampler=None, heterogeneity=None,
                  evaluate: Optional[Callable[[], float]] = None, eval_every_s: float = 2.0,
                  control_rank: int = 0, stage_config: Optional[StageConfig] = None,
-                 profile_steps: int = 10):
+                 profile_steps: int = 10, profile_within_epoch: bool = True):
         self.model = model
         self.names, self.tensors = model_state(model, params)
         self.numel = kernels.flat_numel(self.tensors)
@@ -206,14 +217,18 @@ class Strategy:
             # An evaluation between epochs, or waiting there for the other ranks, is not a
             # step's compute: the plan would take this rank for a slow one.
             sampler.on_iteration(self.clock.restart)
-        # Stepping on while the others profile is safe only within a pass: a rank that went
-        # on into its next epoch would meet the script's collectives between epochs (an
-        # hvd.allreduce of its metrics) while the others are in the plan's. It needs the
-        # sampler to say where a pass ends; with another, every rank profiles in lockstep.
-        self.steps_while_others_profile = (self.steps_while_others_profile
-                                           and hasattr(sampler, "on_exhausted"))
-        if self.steps_while_others_profile:
-            sampler.on_exhausted(self._end_of_profiling_pass)
+        # Stepping on while the others profile is safe within a pass: a rank that went on
+        # into its next epoch would meet the script's collectives between epochs (an
+        # hvd.allreduce of its metrics) while the others are in the plan's. That needs the
+        # sampler to say where a pass ends (with another, every rank profiles in lockstep),
+        # unless the script says it calls none (profile_within_epoch=False).
+        if not isinstance(profile_within_epoch, bool):
+            raise ValueError(f"profile_within_epoch must be True or False, "
+                             f"got {profile_within_epoch!r}")
+        if self.steps_while_others_profile and profile_within_epoch:
+            self.steps_while_others_profile = hasattr(sampler, "on_exhausted")
+            if self.steps_while_others_profile:
+                sampler.on_exhausted(self._end_of_profiling_pass)
 
     # ------------------------------------------------------------ what a strategy supplies
     def local_steps_target(self) -> int:

@@ -112,7 +112,8 @@ class ServerStrategy(Strategy):
                  evaluate=None, eval_every_s: float = 2.0, poll_s: float = 2e-4,
                  heterogeneity=None, profile_steps: int = 10, fault_tolerant: bool = False,
                  fault_timeout_s: float = 5.0, startup_timeout_s: Optional[float] = None,
-                 transport: str = DEFAULT_TRANSPORT, overlap: Optional[bool] = None):
+                 transport: str = DEFAULT_TRANSPORT, overlap: Optional[bool] = None,
+                 profile_within_epoch: bool = True):
         self.fault_tolerant = check_fault_tolerance(fault_tolerant, fault_timeout_s)
         self.transport = check_transport(transport, self.fault_tolerant)
         self.overlap = check_overlap(overlap, self.overlaps_by_default)
@@ -132,7 +133,8 @@ class ServerStrategy(Strategy):
         super().__init__(model, params, comm=world, sampler=sampler, heterogeneity=heterogeneity,
                          evaluate=evaluate, eval_every_s=eval_every_s,
                          control_rank=0 if self.join else server_rank,
-                         stage_config=stage_config, profile_steps=profile_steps)
+                         stage_config=stage_config, profile_steps=profile_steps,
+                         profile_within_epoch=profile_within_epoch)
         verify_same_model(world, self.names, self.tensors)
         self.server_rank = server_rank
         self.compression = check_compression(compression, self.name, self.accepts_compression)

@@ -134,7 +134,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         travel, docs/LAUNCHING.md;
         overlap for the parameter-server strategies: a rank keeps taking local steps
         while its commit is in flight, docs/DESIGN.md "Overlapped commits" (default: on for
-        ashl, off for the others).
+        ashl, off for the others); profile_within_epoch for ashl and async-localsgd (default
+        True): while the slowest rank profiles, the faster ones step on only to the end of
+        their epoch, so that a script's collectives between epochs line up; False lets them
+        step on across epochs, for a script that calls none there.
 
     ``finish()`` is optional: a rank leaves the run by itself when the interpreter exits
     (before MPI is finalised), and every rank ends with the final global model.
@@ -203,6 +206,10 @@ def _strategy_options(strategy: str, staleness, config: dict) -> dict:
         raise ValueError("outer_optimizer: strategy 'bsp' averages gradients every step "
                          "(Horovod's DistributedOptimizer); an outer optimizer needs a strategy "
                          "that merges model deltas (ashl, ashl-sync, diloco, async-localsgd, ...)")
+    if "profile_within_epoch" in kwargs and strategy not in ("ashl", "async-localsgd"):
+        raise ValueError(f"profile_within_epoch applies to the strategies whose faster ranks "
+                         f"step on while the slowest profiles (ashl, async-localsgd), not "
+                         f"{strategy!r}")
     if "staleness_fn" in kwargs:
         if strategy != "ashl":
             raise ValueError(f"staleness_fn applies to strategy='ashl', not {strategy!r}")
