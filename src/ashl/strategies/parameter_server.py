@@ -503,12 +503,17 @@ class ServerStrategy(Strategy):
             raise RuntimeError("nothing to checkpoint before profiling has produced a plan")
         if self.is_server:
             with self.mc.lock:
+                stage = self.mc.coordinator.stage
+                if not stage.training:
+                    # the run ended on the server before this rank heard (its epoch's end
+                    # raced the last commits): record the stage it ended in, to resume there
+                    stage = self.mc.coordinator.machine.transitions[-1].from_stage
                 run = {"format": checkpoint.FORMAT, "strategy": self.name, "size": self.size,
                        "numel": self.numel, "global_model": self.server.server.model.clone(),
                        "outer": self.server.server.outer.state_dict(),
                        "version": self.server.server.version,
                        "plan": self.mc.coordinator.plan.to_dict(),
-                       "stage": self.mc.coordinator.stage.value,
+                       "stage": stage.value,
                        "commits": self.mc.coordinator.machine.commits}
             checkpoint.atomic_save(run, path)
         checkpoint.save_rank(path, self.rank, optimizer, self.counters(), self.current_epoch(),
