@@ -34,7 +34,7 @@ from .planner import (Plan, PlannerConfig, RankProfile, embed_plan, make_plan, p
 from .stages import Stage, StageConfig, StageMachine
 
 __all__ = ["CommitReport", "Directive", "DriftConfig", "CoordinatorEvent", "Coordinator",
-           "MPICoordinator"]
+           "MPICoordinator", "wait_polled"]
 
 log = logging.getLogger("ashl.coordinator")
 
@@ -349,6 +349,15 @@ class Coordinator:
 
 # ------------------------------------------------------------------------- MPI
 
+def wait_polled(request: Any, poll_s: float = 5e-4) -> Any:
+    """Wait for an MPI request by testing it: Open MPI's blocking waits spin a core."""
+    while True:
+        done, value = request.test()
+        if done:
+            return value
+        time.sleep(poll_s)
+
+
 _LINK_GO, _LINK_PUSH, _LINK_ACK, _LINK_REQ, _LINK_PULL = 7111, 7112, 7113, 7114, 7115
 
 
@@ -392,12 +401,7 @@ class MPICoordinator:
 
     # ---------------------------------------------------------------- helpers
     def _wait(self, request: Any) -> Any:
-        """Poll instead of blocking: Open MPI's blocking waits spin a core."""
-        while True:
-            done, value = request.test()
-            if done:
-                return value
-            time.sleep(self.poll_s)
+        return wait_polled(request, self.poll_s)
 
     def _poll_recv(self, source: int, tag: int) -> Any:
         while not self.comm.Iprobe(source=source, tag=tag):
