@@ -13,7 +13,8 @@ line on stderr and writes to ``--out``:
                     included), stage, loss (rank 0's training loss, smoothed), accuracy,
                     commits (the run's total where the strategy knows it, else rank 0's)
     summary.json    strategy, ranks, time_to_target_s (null if missed), final_accuracy,
-                    wall_s, utilization per rank (compute_s / wall_s), bytes_sent, commits,
+                    wall_s, utilization per rank (compute_s / wall_s), busy per rank
+                    (training or evaluating: (compute_s + eval_s) / wall_s), bytes_sent, commits,
                     the plan, every rank's counters, the stop reason, the checkpoint
                     (null without --checkpoint-dir) and whether the run resumed
     timeline.json   the Chrome trace of the run (ASHL_TIMELINE, unless set by the user)
@@ -297,15 +298,24 @@ def _ranks(n: int) -> str:
 
 # ------------------------------------------------------------------------------ the run
 class Evaluator:
-    """Test accuracy of the model as it is now (no gradients, the training mode kept)."""
+    """Test accuracy of the model as it is now (no gradients, the training mode kept), and
+    the seconds spent finding it (`spent_s`: the run's own evaluations are busy time)."""
 
     batch = 2048
 
     def __init__(self, model, test):
         self.model = model
         self.x, self.y = test.tensors
+        self.spent_s = 0.0
 
     def __call__(self) -> float:
+        t0 = time.perf_counter()
+        try:
+            return self._accuracy()
+        finally:
+            self.spent_s += time.perf_counter() - t0
+
+    def _accuracy(self) -> float:
         import torch
         was_training = self.model.training
         with torch.no_grad():
@@ -433,13 +443,14 @@ class Run:
         if self.checkpoints is not None:
             self.checkpoints.save()       # the final model, on every rank
         wall = time.perf_counter() - self.start
+        eval_s = self.evaluate.spent_s          # within the wall time: not the final one
         final_accuracy = self.evaluate() if self.lead else None
         if self.args.fault_tolerant:   # no collective may involve a lost rank: each its own
-            everyone = [self.rank_result(wall)]
+            everyone = [self.rank_result(wall, eval_s)]
             os.makedirs(self.args.out, exist_ok=True)
             write_json(os.path.join(self.args.out, f"rank{everyone[0]['rank']}.json"), everyone[0])
         else:
-            everyone = self.comm.gather(self.rank_result(wall), root=0)
+            everyone = self.comm.gather(self.rank_result(wall, eval_s), root=0)
         if self.lead:
             self.report(everyone, wall, final_accuracy)
         return self.exit_status()
@@ -597,10 +608,12 @@ class Run:
                 f"{self.commits() / wall:.1f} commits/s util {compute_s / wall:.0%}")
 
     # -------------------------------------------------------------- the end
-    def rank_result(self, wall: float) -> dict:
-        """What every rank sends rank 0 for the summary."""
+    def rank_result(self, wall: float, eval_s: float) -> dict:
+        """What every rank sends rank 0 for the summary (`eval_s`: its evaluations' seconds
+        within `wall`)."""
         link = self.hetero.link
-        return {"rank": self.opt.strategy.rank, "wall_s": wall, "counters": _jsonable(self.opt.counters()),
+        return {"rank": self.opt.strategy.rank, "wall_s": wall, "eval_s": eval_s,
+                "counters": _jsonable(self.opt.counters()),
                 "checkpoints_saved": 0 if self.checkpoints is None else self.checkpoints.saves,
                 "compute_factor": self.hetero.compute_factor,
                 "link": None if link is None else [link.latency_s, link.bytes_per_s]}
@@ -648,6 +661,9 @@ def build_summary(args, everyone: Sequence[dict], rows: Sequence[dict], wall: fl
         "wall_s": wall,
         "utilization": [r["counters"].get("compute_s", 0.0) / max(r["wall_s"], 1e-9)
                         for r in everyone],
+        # training or evaluating (rank 0 evaluates for the curves and the target): not waiting
+        "busy": [(r["counters"].get("compute_s", 0.0) + r.get("eval_s", 0.0))
+                 / max(r["wall_s"], 1e-9) for r in everyone],
         "bytes_sent": int(sum(c["bytes_sent"] for c in counters)),
         "commits": int(sum(c.get("commits") or 0 for c in counters)),
         "local_steps": int(sum(c.get("local_steps") or 0 for c in counters)),
@@ -673,7 +689,8 @@ def print_result(summary: dict) -> None:
           f"{summary['final_accuracy']:.4f}, time to target "
           f"{'missed' if ttt is None else f'{ttt:.1f} s'}, wall {summary['wall_s']:.1f} s, "
           f"commits {summary['commits']}, "
-          f"utilization {' '.join(f'{u:.0%}' for u in summary['utilization'])}; "
+          f"utilization {' '.join(f'{u:.0%}' for u in summary['utilization'])} "
+          f"(busy {' '.join(f'{u:.0%}' for u in summary['busy'])}); "
           f"stop: {summary['stop_reason'] or 'n/a'}")
 
 

@@ -86,12 +86,13 @@ def test_speedups_and_table():
     assert "| bsp | 5.00 |" in md and "2.50x" in md and "> 15.00x" in md
     assert "| asp | missed |" in md and "| ssp | FAILED |" in md
     assert "70%" in md   # mean utilisation
+    assert "| busy min |" in lines[0] and "| - |" in md   # no busy figures in these results
 
 
 def test_seeds_combine_into_medians_with_their_range():
-    runs = [fake("ashl", 2.0, final_accuracy=0.95, utilization=[0.8, 0.4]),
-            fake("ashl", None, final_accuracy=0.90, utilization=[0.6, 0.2]),
-            fake("ashl", 1.0, final_accuracy=0.97, utilization=[0.9, 0.5])]
+    runs = [fake("ashl", 2.0, final_accuracy=0.95, utilization=[0.8, 0.4], busy=[0.9, 0.4]),
+            fake("ashl", None, final_accuracy=0.90, utilization=[0.6, 0.2], busy=[0.7, 0.2]),
+            fake("ashl", 1.0, final_accuracy=0.97, utilization=[0.9, 0.5], busy=[0.95, 0.5])]
     for r in runs:
         r["run_dir"] = "x"
     r = e2e.combine_seeds(runs)
@@ -99,7 +100,7 @@ def test_seeds_combine_into_medians_with_their_range():
     assert r["time_to_target_s"] == 2.0 and r["time_to_target_range"] == [1.0, None]
     assert r["missed_seeds"] == 1 and r["seeds_ok"] == 3
     assert r["final_accuracy"] == 0.95 and r["final_accuracy_range"] == [0.90, 0.97]
-    assert r["utilization"] == [0.8, 0.4]
+    assert r["utilization"] == [0.8, 0.4] and r["busy"] == [0.9, 0.4]
     assert e2e._time_cell(r) == "2.00 [1.00-missed]"
     two_missed = e2e.combine_seeds([dict(runs[1]), dict(runs[1]), dict(runs[2])])
     assert two_missed["time_to_target_s"] is None            # most seeds missed
@@ -249,6 +250,7 @@ def test_two_strategies_on_two_ranks(tmp_path):
         assert r["time_to_target_s"] is not None and r["time_to_target_s"] > 0
         assert r["final_accuracy"] >= 0.9
         assert len(r["utilization"]) == 2 and all(0 < u <= 1.05 for u in r["utilization"])
+        assert r["busy"][0] > r["utilization"][0]    # rank 0 also evaluates
         assert r["bytes_sent"] > 0 and r["commits"] > 0
         assert (Path(r["run_dir"]) / "summary.json").exists()
         # ranks of factors 1 and 3 at 10 ms a step: 32 x (100 + 33.3) samples/s at best

@@ -18,7 +18,8 @@ emulated link delay is added. The hosts are removed at the end, whatever happens
 Writes (next to ``--json``, default ``out/e2e/e2e.json``):
 
     e2e.json   {"scenario": {...}, "results": [{"strategy", "status", "time_to_target_s",
-               "final_accuracy", "utilization" (per rank), "bytes_sent", "commits", ...}],
+               "final_accuracy", "utilization" and "busy" (per rank), "bytes_sent",
+               "commits", ...}],
                "speedup_vs": {baseline: its time to target / ashl's}, ...}
     e2e.md     the table, as printed
     e2e.png    every strategy's test accuracy against wall time
@@ -274,7 +275,7 @@ def read_summary(run_dir: str, target: float) -> dict:
     with open(os.path.join(run_dir, "summary.json")) as f:
         s = json.load(f)
     return dict(time_to_target_s=_time_to_target(_metrics(run_dir), target),
-                **{key: s.get(key) for key in ("final_accuracy", "utilization", "bytes_sent",
+                **{key: s.get(key) for key in ("final_accuracy", "utilization", "busy", "bytes_sent",
                                                "commits", "local_steps", "wall_s", "stop_reason")},
                 **figures.throughput(s))
 
@@ -320,7 +321,7 @@ def speedups(results: Sequence[dict], of: str) -> tuple[dict, dict]:
 def table(results: Sequence[dict], target: float, of: Optional[str],
           exact: dict, at_least: dict) -> str:
     head = ["strategy", f"time to {target:g} [s]", "final acc", "util mean", "util min",
-            "of ideal", "MB sent", "commits", "wall [s]", "overruns"]
+            "busy min", "of ideal", "MB sent", "commits", "wall [s]", "overruns"]
     if of:
         head.append(f"{of} speedup")
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
@@ -328,10 +329,11 @@ def table(results: Sequence[dict], target: float, of: Optional[str],
         if r.get("status") != "ok":
             row = [r["strategy"], r["status"].upper()] + [""] * (len(head) - 2)
         else:
-            util = r.get("utilization") or []
+            util, busy = r.get("utilization") or [], r.get("busy") or []
             row = [r["strategy"], _time_cell(r), _accuracy_cell(r),
                    f"{sum(util) / len(util):.0%}" if util else "-",
                    f"{min(util):.0%}" if util else "-",
+                   f"{min(busy):.0%}" if busy else "-",
                    _fraction_cell(r),
                    f"{(r.get('bytes_sent') or 0) / 1e6:.1f}",
                    str(r.get("commits", "-")),
@@ -699,9 +701,10 @@ def combine_seeds(runs: Sequence[dict]) -> dict:
                 out["throughput_fraction_range"] = [min(values), max(values)]
     for key in ("emulated_steps", "overruns"):   # summed: a fraction of all the seeds' steps
         out[key] = sum(r.get(key) or 0 for r in ok)
-    utils = [r["utilization"] for r in ok if r.get("utilization")]
-    if utils:
-        out["utilization"] = [statistics.median(u) for u in zip(*utils)]
+    for key in ("utilization", "busy"):        # per rank, each the median over the seeds
+        per_seed = [r[key] for r in ok if r.get(key)]
+        if per_seed:
+            out[key] = [statistics.median(u) for u in zip(*per_seed)]
     out["stop_reason"] = first.get("stop_reason")
     return out
 
