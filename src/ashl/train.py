@@ -14,7 +14,8 @@ line on stderr and writes to ``--out``:
                     commits (the run's total where the strategy knows it, else rank 0's)
     summary.json    strategy, ranks, time_to_target_s (null if missed), final_accuracy,
                     wall_s, utilization per rank (compute_s / wall_s), busy per rank
-                    (training or evaluating: (compute_s + eval_s) / wall_s), bytes_sent, commits,
+                    (training or evaluating: (compute_s + evaluator_s) / wall_s),
+                    bytes_sent, commits,
                     the plan, every rank's counters, the stop reason, the checkpoint
                     (null without --checkpoint-dir) and whether the run resumed
     timeline.json   the Chrome trace of the run (ASHL_TIMELINE, unless set by the user)
@@ -597,6 +598,9 @@ class Run:
         if now - (self.metrics.last_at or self.start) > self.fallback_after \
                 and not self.opt.finished:
             self.record(self.evaluate(), "loop")
+            # between two steps: not the next step's compute (busy counts it once, as an
+            # evaluation), nor stretched by an emulated slowdown
+            self.opt.strategy.clock.pause(time.perf_counter() - now)
         self.progress.step(now, self.describe)
 
     def describe(self) -> str:
@@ -609,10 +613,11 @@ class Run:
 
     # -------------------------------------------------------------- the end
     def rank_result(self, wall: float, eval_s: float) -> dict:
-        """What every rank sends rank 0 for the summary (`eval_s`: its evaluations' seconds
-        within `wall`)."""
+        """What every rank sends rank 0 for the summary (`evaluator_s`: every evaluation it
+        ran within `wall`, the loop's and the start's too; its counters' eval_s has only the
+        strategy's)."""
         link = self.hetero.link
-        return {"rank": self.opt.strategy.rank, "wall_s": wall, "eval_s": eval_s,
+        return {"rank": self.opt.strategy.rank, "wall_s": wall, "evaluator_s": eval_s,
                 "counters": _jsonable(self.opt.counters()),
                 "checkpoints_saved": 0 if self.checkpoints is None else self.checkpoints.saves,
                 "compute_factor": self.hetero.compute_factor,
@@ -662,7 +667,7 @@ def build_summary(args, everyone: Sequence[dict], rows: Sequence[dict], wall: fl
         "utilization": [r["counters"].get("compute_s", 0.0) / max(r["wall_s"], 1e-9)
                         for r in everyone],
         # training or evaluating (rank 0 evaluates for the curves and the target): not waiting
-        "busy": [(r["counters"].get("compute_s", 0.0) + r.get("eval_s", 0.0))
+        "busy": [(r["counters"].get("compute_s", 0.0) + r.get("evaluator_s", 0.0))
                  / max(r["wall_s"], 1e-9) for r in everyone],
         "bytes_sent": int(sum(c["bytes_sent"] for c in counters)),
         "commits": int(sum(c.get("commits") or 0 for c in counters)),

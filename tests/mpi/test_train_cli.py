@@ -236,7 +236,7 @@ def test_three_ranks_reach_the_target_and_leave_every_output(tmp_path):
     assert len(s["utilization"]) == 3 and all(0 < u <= 1.05 for u in s["utilization"])
     # busy adds the evaluations, which rank 0 alone runs (one at least, of the initial model)
     assert s["busy"][0] > s["utilization"][0] and s["busy"][1:] == s["utilization"][1:]
-    assert s["per_rank"][0]["eval_s"] > 0
+    assert s["per_rank"][0]["evaluator_s"] > 0
     assert s["commits"] > 0 and s["bytes_sent"] > 0
     assert isinstance(s["plan"], dict) and s["plan"]
     assert [r["rank"] for r in s["per_rank"]] == [0, 1, 2]

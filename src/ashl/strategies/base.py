@@ -175,7 +175,9 @@ class Strategy:
         if not 0 <= control_rank < self.size:
             raise ValueError(f"the control rank (server_rank) {control_rank} is not a rank "
                              f"of this {self.size}-rank job")
-        self.world = comm                # not ours: never freed; the run's last barrier
+        # the run's last barrier, after every other communicator is freed: ours (whatever
+        # the script does with `comm`) and never freed (MPI_Finalize frees it)
+        self.world = comm.Dup()
         self.comm = comm.Dup()           # the end's gathers, apart from every exchange
         self.control_rank = control_rank
         self.stage_config = StageConfig() if stage_config is None else stage_config
@@ -447,8 +449,12 @@ class Strategy:
         """The run's last MPI call, after every communicator of its own is freed. When
         Horovod initialised MPI, the first rank to shut Horovod down at its exit makes every
         rank's Horovod finalise MPI; past this barrier no rank touches MPI again, so none is
-        left freeing a communicator of a finalised MPI (a segfault at exit, 1 run in 40)."""
+        left freeing a communicator of a finalised MPI (a segfault at exit, 1 run in 40).
+        Polled while a slow rank closes its ends; then blocking, so that no rank has a test()
+        of a completed request still to make when the others leave (microseconds, against
+        the milliseconds Horovod takes to agree on its shutdown)."""
         wait_polled(self.world.Ibarrier(), ProfileBarrier.POLL_S)
+        self.world.Barrier()
 
     def _write_timeline(self) -> None:
         path = timeline_path()   # every rank agrees on it: the gather is collective
