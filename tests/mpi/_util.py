@@ -63,8 +63,9 @@ def mpirun(np_, script, *args, timeout=120, env=None, check=True):
     full_env.update({"OMP_NUM_THREADS": "1", **(env or {})})
     proc = subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=timeout)
     if check and proc.returncode != 0:
+        # stderr's tail long enough for a crash's native and Python backtraces
         raise AssertionError(f"mpirun {Path(script).name} failed ({proc.returncode}):\n"
-                             f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+                             f"{proc.stdout[-4000:]}\n{proc.stderr[-16000:]}")
     return proc
 
 

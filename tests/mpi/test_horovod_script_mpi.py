@@ -103,7 +103,9 @@ def test_the_epoch_loop_on_an_uneven_cluster(strategy, tmp_path):
     # steps: with 5 ms, the real CNN step overran the budget on a busy 2-core machine, the
     # profiled plan skewed, and one CI run of ashl-sync ended at 0.39 after 6 epochs.
     proc = _util.mpirun(3, converted(tmp_path, strategy=strategy), "--epochs", "6", "--result", tmp_path / "r.txt", timeout=150,
-                        env={"ASHL_EMULATE_COMPUTE": "1,2,4", "ASHL_EMULATE_STEP_TIME": "0.01"})
+                        env={"ASHL_EMULATE_COMPUTE": "1,2,4", "ASHL_EMULATE_STEP_TIME": "0.01",
+                             # a crash at exit, 1 CI run in 3: every thread's Python stack
+                             "PYTHONFAULTHANDLER": "1"})
     assert len(_TEST_LINE.findall(proc.stdout)) == 6
     assert accuracy(tmp_path / "r.txt") > 0.5
 
