@@ -110,6 +110,31 @@ def test_the_epoch_loop_on_an_uneven_cluster(strategy, tmp_path):
     assert accuracy(tmp_path / "r.txt") > 0.5
 
 
+# The converted import line starts MPI through mpi4py (ashl.torch), so one rank's Horovod
+# shutdown does not finalise MPI on the others (Horovod would, on its background thread,
+# under whatever their main threads still do).
+OUTLIVES_HOROVOD = """import time
+import horovod.torch as hvd, ashl.torch as ashl
+hvd.init()
+from mpi4py import MPI
+rank = MPI.COMM_WORLD.Get_rank()
+MPI.COMM_WORLD.Barrier()
+if rank == 0:
+    hvd.shutdown()
+else:
+    time.sleep(1.0)
+print(f"rank {rank} finalized={MPI.Is_finalized()}", flush=True)
+"""
+
+
+def test_one_ranks_horovod_shutdown_leaves_mpi_to_every_rank(tmp_path):
+    script = tmp_path / "outlives.py"
+    script.write_text(OUTLIVES_HOROVOD)
+    proc = _util.mpirun(2, script, timeout=60)
+    assert sorted(proc.stdout.split("\n")[:-1]) == ["rank 0 finalized=False",
+                                                   "rank 1 finalized=False"], proc.stdout
+
+
 # The control rank is slow to leave (its ends' linger; a busy machine): the others must wait
 # for it. Horovod initialised MPI here (the script imports no mpi4py before hvd.init()), so
 # the first rank to shut Horovod down finalises MPI on every rank; the control rank then

@@ -4,7 +4,8 @@ A Horovod script ends when its epoch loop ends; it never calls ``finish()``. Eve
 optimizer is therefore left at interpreter exit by an ``atexit`` hook registered when the
 first one is built, after ``hvd.init()`` and mpi4py's import, so it runs before Horovod shuts
 down and MPI is finalised (atexit runs last-registered first), while the server thread and
-MPI are still alive.
+MPI are still alive. (``import ashl.torch`` initialises MPI through mpi4py, so that mpi4py
+finalises it last, on the main thread: see ashl/torch/__init__.py.)
 
 - The script ended normally: ``finish()`` on every optimizer still in the run, so every
   rank ends with the same final global model (collective: every rank gets here).

@@ -27,8 +27,8 @@ __all__ = ["HeterogeneousSampler", "shares_to_counts"]
 def _world() -> tuple[int, int]:
     """(size, rank) from an initialised Horovod, else an initialised MPI, else (1, 0).
 
-    Only modules the program already imported are asked: importing mpi4py.MPI or
-    horovod.torch just to look would initialise MPI behind the user's back.
+    Only modules the program already imported are asked (``import ashl.torch`` has
+    imported mpi4py.MPI; horovod.torch is the script's to import).
     """
     hvd = sys.modules.get("horovod.torch")
     if hvd is not None:
