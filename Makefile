@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 
-.PHONY: all bootstrap build test demo bench bench-kernels bench-e2e bench-scale bench-e2e-netns bench-outer bench-script bench-transport clean distclean
+.PHONY: all bootstrap build test demo bench bench-kernels bench-e2e bench-scale bench-e2e-netns bench-outer bench-script bench-transport gpu-wheels clean distclean
 
 all: build
 
@@ -42,6 +42,17 @@ demo: build
 	    --json $(OUT)/demo/e2e.json
 	$(PY) -m ashl.bench e2e --homogeneous --strategies ashl,bsp $(DEMO_ARGS) \
 	    --json $(OUT)/demo-homogeneous/e2e.json
+
+# The wheels scripts/gpu_check.sh installs on a GPU machine that has no package registry:
+# mpi4py, an MPI (MPICH's wheel, with its mpiexec) and pyzmq, for that machine's Python
+# (GPU_PYTHON), into .whl/ (ignored by git; carry it there with the checkout).
+GPU_PYTHON ?= 3.12
+GPU_WHEELS ?= mpi4py==4.1.2 mpich==5.0.2 pyzmq==27.3.0
+gpu-wheels:
+	@mkdir -p .whl
+	python3 -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) \
+	    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+	    --platform manylinux1_x86_64 -d .whl $(GPU_WHEELS)
 
 bench: bench-kernels bench-e2e bench-scale bench-script bench-outer bench-transport
 

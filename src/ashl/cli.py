@@ -268,6 +268,22 @@ def add_transport_option(p: argparse.ArgumentParser, default_note: str) -> None:
                         f"e.g. RDMA) (default: {default_note})")
 
 
+def add_device_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="auto",
+                   help="where each rank trains (ashl.device): auto (cuda:<local rank> when "
+                        "the host has a GPU, else cpu), cpu, cuda or cuda:N")
+
+
+def check_device(spec: str) -> str:
+    """--device: one of ashl.device's spellings (whether the host has the GPU is known only
+    once torch is imported: the run checks that)."""
+    from .device import check_device_spec
+    try:
+        return check_device_spec(spec)
+    except ValueError as exc:
+        raise OptionError(f"--device {spec!r}: expected {str(exc).split('expected ')[1]}") from None
+
+
 def check_transport(transport: Optional[str], strategy: Optional[str] = None,
                     fault_tolerant: bool = False) -> None:
     """--transport: a known one, for a parameter-server strategy (when `strategy` is

@@ -82,10 +82,11 @@ class ServerClient:
     """Commits to the parameter server through a transport.RankEnd (ZeroMQ or MPI)."""
 
     def __init__(self, end: RankEnd, rank: int, numel: int, *,
-                 heterogeneity: Optional[Heterogeneity] = None):
+                 heterogeneity: Optional[Heterogeneity] = None, pinned: bool = False):
+        """`pinned`: the reply's model lands in page-locked memory (a GPU model's)."""
         self.end, self.rank, self.numel = end, rank, numel
         self.hetero = heterogeneity or Heterogeneity()
-        self.model_buf = protocol.MessageBuffer(4 * numel)
+        self.model_buf = protocol.MessageBuffer(4 * numel, pinned=pinned)
         self.plan_buf = protocol.MessageBuffer(protocol.MAX_PLAN_BYTES)
         # The previous exchange, reported with the next commit (drift detection).
         self.last_link_s: Optional[float] = None

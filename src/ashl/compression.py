@@ -73,7 +73,7 @@ class Payload:
     def to_dense(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """The delta as a dense fp32 tensor (unsent entries are 0)."""
         if out is None:
-            out = torch.zeros(self.numel, dtype=torch.float32)
+            out = torch.zeros(self.numel, dtype=torch.float32, device=self.buffer.device)
         elif out.numel() != self.numel:
             raise ValueError(f"out has {out.numel()} elements, the payload describes {self.numel}")
         if self.sparse:
@@ -165,26 +165,28 @@ class Residual:
         return float(self.flat.norm())
 
 
-def _byte_buffer(out: torch.Tensor | None, nbytes: int) -> torch.Tensor:
-    """`out[:nbytes]` if given (reused across commits), else a new buffer."""
+def _byte_buffer(out: torch.Tensor | None, nbytes: int, device: torch.device) -> torch.Tensor:
+    """`out[:nbytes]` if given (reused across commits), else a new buffer on `device`."""
     if out is None:
-        return torch.empty(nbytes, dtype=torch.uint8)
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
     if out.dtype != torch.uint8 or out.dim() != 1 or not out.is_contiguous():
         raise ValueError("out must be a contiguous 1-D uint8 tensor")
+    if out.device != device:
+        raise ValueError(f"out is on {out.device} but the delta is on {device}")
     if out.numel() < nbytes:
         raise ValueError(f"out has {out.numel()} bytes, the payload needs {nbytes}")
     return out[:nbytes]
 
 
 def _check_delta(delta: torch.Tensor) -> torch.Tensor:
+    """The delta as a flat view: fp32 and contiguous, on any device (a CUDA model's is
+    compressed where it was packed, staging.py)."""
     if not isinstance(delta, torch.Tensor):
         raise TypeError(f"delta must be a tensor, got {type(delta).__name__}")
     if delta.dtype != torch.float32:
         raise ValueError(f"delta must be float32, got {delta.dtype}")
     if not delta.is_contiguous():
         raise ValueError("delta must be contiguous")
-    if delta.device.type != "cpu":
-        raise ValueError(f"delta must be on the CPU (the wire buffer), got {delta.device}")
     return delta.view(-1)
 
 
@@ -237,7 +239,7 @@ class NoneCompressor(Compressor):
     def pack(self, params, anchors, residual, scratch, out) -> Payload:
         """Straight into the wire buffer: no scratch pass."""
         numel = kernels.flat_numel(params)
-        buf = _byte_buffer(out, 4 * numel)
+        buf = _byte_buffer(out, 4 * numel, params[0].device if params else torch.device("cpu"))
         kernels.pack_delta(params, anchors, buf.view(torch.float32),
                            residuals=None if residual is None else residual.views)
         if residual is not None:
@@ -247,7 +249,7 @@ class NoneCompressor(Compressor):
     def compress(self, delta, residual=None, out=None) -> Payload:
         delta = _check_delta(delta)
         _check_residual(residual, delta)
-        buf = _byte_buffer(out, 4 * delta.numel())
+        buf = _byte_buffer(out, 4 * delta.numel(), delta.device)
         buf.view(torch.float32).copy_(delta)
         if residual is not None:
             residual.zero_()
@@ -265,7 +267,7 @@ class FP16Compressor(Compressor):
     def compress(self, delta, residual=None, out=None) -> Payload:
         delta = _check_delta(delta)
         _check_residual(residual, delta)
-        buf = _byte_buffer(out, 2 * delta.numel())
+        buf = _byte_buffer(out, 2 * delta.numel(), delta.device)
         half = buf.view(torch.float16)
         half.copy_(delta)
         if residual is not None:
@@ -310,7 +312,7 @@ class TopKCompressor(Compressor):
         k = self.k(n)
         if self._dense(n, k):
             return NoneCompressor.compress(self, delta, residual, out)
-        buf = _byte_buffer(out, k * (INDEX_ITEMSIZE + 4))
+        buf = _byte_buffer(out, k * (INDEX_ITEMSIZE + 4), delta.device)
         idx = torch.topk(delta.abs(), k, sorted=False).indices
         idx = torch.sort(idx).values
         buf[:k * INDEX_ITEMSIZE].view(torch.int32).copy_(idx)

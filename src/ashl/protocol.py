@@ -401,13 +401,15 @@ class MessageBuffer:
     """A preallocated receive buffer: header + up to `payload_capacity` payload bytes.
 
     Allocate once per peer/thread with `MessageBuffer(protocol.max_payload_nbytes(numel))`
-    (or less, e.g. 4 * numel when sparse payloads never exceed dense ones).
+    (or less, e.g. 4 * numel when sparse payloads never exceed dense ones). `pinned`: in
+    page-locked memory, for one asynchronous copy on to a GPU (staging.py).
     """
 
-    def __init__(self, payload_capacity: int):
+    def __init__(self, payload_capacity: int, pinned: bool = False):
         if payload_capacity < 0:
             raise ValueError(f"payload_capacity must be >= 0, got {payload_capacity}")
-        self.tensor = torch.empty(HEADER_SIZE + payload_capacity, dtype=torch.uint8)
+        self.tensor = torch.empty(HEADER_SIZE + payload_capacity, dtype=torch.uint8,
+                                  pin_memory=pinned)
         self.array = self.tensor.numpy()
 
     @property

@@ -26,7 +26,11 @@ line on stderr and writes to ``--out``:
 
 With ``--checkpoint-dir DIR`` the run is saved (the strategy's save_checkpoint, atomically) to
 DIR/ckpt.pt and DIR/ckpt.pt.rank<r> every ``--checkpoint-every`` seconds and at the end;
-``--resume`` continues it. A parameter-server strategy saves on each rank's own clock (its
+``--resume`` continues it.
+
+``--device`` (default auto) puts each rank's model and batches on ``cuda:<local rank>`` when
+its host has a GPU (ranks beyond the host's GPUs share them round-robin), else on the CPU
+(ashl.device). A parameter-server strategy saves on each rank's own clock (its
 save is not collective); localsgd and diloco save at an epoch end, on every rank when rank 0's
 clock says so, so that every rank's part is of the same round.
 
@@ -43,13 +47,14 @@ import sys
 import time
 from typing import Optional, Sequence
 
-from .cli import (OneLineParser, OptionError, add_checkpoint_options, add_run_options,
-                  add_transport_option, check_checkpoint_options, check_factor_count,
-                  check_fault_tolerant, check_outer, check_overlap, check_run_options,
+from .cli import (OneLineParser, OptionError, add_checkpoint_options, add_device_option,
+                  add_run_options, add_transport_option, check_checkpoint_options,
+                  check_device, check_factor_count, check_fault_tolerant, check_outer,
+                  check_overlap, check_run_options,
                   check_strategy, check_transport, checkpoint_path, parse_factors,
                   parse_link)
 from .emulation import Heterogeneity, step_time_from_env
-from .strategies import STRATEGIES
+from .strategies import PARAMETER_SERVER, STRATEGIES
 
 PROG = "ashl.train"
 # Rank count / rank as the launchers export them (checked again after MPI starts).
@@ -82,6 +87,7 @@ def build_parser(prog: str = PROG) -> OneLineParser:
                    help="with --fault-tolerant: a worker silent this long (or 3 of its planned "
                         "rounds, whichever is longer) is dropped")
     add_transport_option(p, "zmq")
+    add_device_option(p)
     add_checkpoint_options(p)
     p.add_argument("--out", default=os.path.join("out", "train"), help="output directory")
     p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
@@ -119,6 +125,7 @@ def check_options(args: argparse.Namespace) -> argparse.Namespace:
     """Everything that needs neither MPI nor torch; fills in parsed values. Raises
     OptionError."""
     check_strategy(args.strategy)
+    args.device = check_device(args.device)
     args.compute_factors = parse_factors("--compute-slowdown", args.compute_slowdown)
     args.link_factors = parse_factors("--link-slowdown", args.link_slowdown)
     args.link = parse_link(args.link_base)
@@ -304,9 +311,9 @@ class Evaluator:
 
     batch = 2048
 
-    def __init__(self, model, test):
+    def __init__(self, model, test, device="cpu"):
         self.model = model
-        self.x, self.y = test.tensors
+        self.x, self.y = (t.to(device) for t in test.tensors)   # once, not per evaluation
         self.spent_s = 0.0
 
     def __call__(self) -> float:
@@ -420,12 +427,13 @@ class Run:
         self.lead = lead and rank == 0   # evaluates, writes the outputs (not a replacement)
         self.metrics_path = os.path.join(args.out, "metrics.jsonl")
         torch.manual_seed(args.seed)
-        self.model = build_model(args.model, data.input_shape, data.classes)
+        self.device = getattr(args, "torch_device", None) or torch.device("cpu")
+        self.model = build_model(args.model, data.input_shape, data.classes).to(self.device)
         self.base_opt = torch.optim.SGD(self.model.parameters(), lr=args.lr, momentum=0.9)
         self.sampler = ashl.HeterogeneousSampler(data.train, seed=args.seed)
         self.hetero = Heterogeneity.for_rank(rank, args.compute_factors, args.link_factors,
                                              args.link, step_time(args))
-        self.evaluate = Evaluator(self.model, data.test)
+        self.evaluate = Evaluator(self.model, data.test, self.device)
         self.loss = SmoothedLoss()
         self.opt = None
         self.checkpoints: Optional[Checkpoints] = None
@@ -577,6 +585,7 @@ class Run:
             opt.set_epoch(epoch)
             for x, y in DataLoader(self.data.train, batch_size=self.args.batch_size,
                                    sampler=self.sampler):
+                x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
                 opt.zero_grad()
                 loss = F.cross_entropy(self.model(x), y)
                 loss.backward()
@@ -617,7 +626,8 @@ class Run:
         ran within `wall`, the loop's and the start's too; its counters' eval_s has only the
         strategy's)."""
         link = self.hetero.link
-        return {"rank": self.opt.strategy.rank, "wall_s": wall, "evaluator_s": eval_s,
+        return {"rank": self.opt.strategy.rank, "device": str(self.device), "wall_s": wall,
+                "evaluator_s": eval_s,
                 "counters": _jsonable(self.opt.counters()),
                 "checkpoints_saved": 0 if self.checkpoints is None else self.checkpoints.saves,
                 "compute_factor": self.hetero.compute_factor,
@@ -723,6 +733,22 @@ def make_dir(option: str, path: str) -> None:
                           f"({e.strerror})") from None
 
 
+def rank_device(spec: str, comm, alone: bool = False):
+    """--device on this rank's host; one rank's refusal (a host without the GPU asked for)
+    is every rank's, so none is left waiting in the first collective."""
+    from .device import pick_device
+    device, problem = None, None
+    try:
+        device = pick_device(spec)
+    except ValueError as exc:
+        problem = f"--device: rank {comm.Get_rank()}: {exc}"
+    problems = [problem] if alone else comm.allgather(problem)
+    first = next((p for p in problems if p), None)
+    if first is not None:
+        raise OptionError(first)
+    return device
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     env_rank = _env_int(_RANK_VARS) or 0
@@ -739,15 +765,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         data = load_data(args)
 
     from mpi4py import MPI
-    import horovod.torch as hvd
-    hvd.init(comm=MPI.COMM_WORLD)
-    rank, size = hvd.rank(), hvd.size()
+    if args.strategy not in PARAMETER_SERVER:   # their rounds are Horovod collectives
+        import horovod.torch as hvd
+        hvd.init(comm=MPI.COMM_WORLD)
+    rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
     if rank != 0:   # every rank reaches the same verdict; one prints it
         _quiet(parser)
     joining = bool(os.environ.get("ASHL_JOIN"))   # a replacement: alone, its rank comes later
     with parser.checking():
         if not joining:
             check_rank_count(args, size)
+        args.torch_device = rank_device(args.device, MPI.COMM_WORLD, alone=joining)
     if rank == 0:
         os.makedirs(args.out, exist_ok=True)
     # Every rank agrees on the path: writing the trace is a gather.

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import _util  # noqa: E402
 
@@ -80,6 +81,7 @@ BAD = [
                                                   "'zmq'"]),
     (["--checkpoint-dir", "unused-ckpt", "--checkpoint-every", "0"], ["--checkpoint-every 0",
                                                                      "> 0"]),
+    (["--device", "gpu"], ["--device 'gpu'", "auto, cpu, cuda or cuda:N"]),
 ]
 
 
@@ -195,10 +197,10 @@ mpi = [pytest.mark.mpi,
        pytest.mark.skipif(_util.skip_reason() is not None, reason=_util.skip_reason() or "")]
 
 
-def mpirun_train(np_, *args, timeout=90):
+def mpirun_train(np_, *args, timeout=90, env=None):
     cmd = ["mpirun", "-np", str(np_), "--oversubscribe", "--bind-to", "none",
            sys.executable, "-m", "ashl.train", *map(str, args)]
-    env = _util.mpi_env()
+    env = {**_util.mpi_env(), **(env or {})}
     env["OMP_NUM_THREADS"] = "1"
     env.pop("ASHL_TIMELINE", None)
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
@@ -213,6 +215,17 @@ def test_a_slowdown_list_longer_than_the_ranks_is_refused_once():
     assert len(lines) == 1, proc.stderr      # every rank refuses, rank 0 says why
     assert "--compute-slowdown '1,2,3'" in lines[0] and "3 factors" in lines[0] \
         and "2 ranks" in lines[0]
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(_util.skip_reason() is not None, reason=_util.skip_reason() or "")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this host has a GPU")
+def test_a_gpu_asked_of_a_host_without_one_is_refused_on_every_rank(tmp_path):
+    proc = mpirun_train(2, "--device", "cuda", "--out", tmp_path / "run")
+    assert proc.returncode == 2, proc.stderr
+    lines = [l for l in proc.stderr.splitlines() if l.startswith("ashl.train: error")]
+    assert len(lines) == 1, proc.stderr
+    assert "--device: rank 0: device 'cuda': this host has no CUDA device" in lines[0]
 
 
 @pytest.mark.mpi
@@ -268,6 +281,29 @@ def test_three_ranks_reach_the_target_and_leave_every_output(tmp_path):
         if e["name"] == "compute":
             first.setdefault(e["pid"], e["args"]["steps"])
     assert first[0] > first[1] > first[2] >= 10, first    # about 30, 15 and 10
+
+
+# A CUDA model's path, on the CPU: ASHL_STAGE_WIRE=1 stages a CPU model's commits (ashl:
+# packed and top-k selected into a "device" buffer, one copy to the host send buffer, the
+# reply copied back before the unpack), allreduces (localsgd) and gradients (bsp: ashl's own
+# average, as without Horovod's GPU operations) through separate host buffers.
+@pytest.mark.mpi
+@pytest.mark.skipif(_util.skip_reason() is not None, reason=_util.skip_reason() or "")
+@pytest.mark.parametrize("strategy", ["ashl", "localsgd", "bsp"])
+def test_every_strategy_family_trains_with_its_exchanges_staged(tmp_path, strategy):
+    out = tmp_path / "run"
+    proc = mpirun_train(2, "--strategy", strategy, "--max-seconds", "60", "--target-accuracy",
+                        "0.9", "--device", "cpu", "--out", out, env={"ASHL_STAGE_WIRE": "1"})
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    s = summary(out)
+    assert s["final_accuracy"] >= 0.9 and "target accuracy" in s["stop_reason"]
+    for rank in s["per_rank"]:
+        assert rank["device"] == "cpu" and rank["counters"]["device"] == "cpu"
+        staging = rank["counters"]["staging"]
+        assert staging["staged"] and staging["to_host"] > 0 and staging["to_device"] > 0
+        assert staging["bytes_to_host"] > 0
+    if strategy == "bsp":
+        assert not s["per_rank"][0]["counters"]["horovod_optimizer"]   # ashl's own average
 
 
 def summary(out):

@@ -48,8 +48,9 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from ..cli import (OptionError, add_run_options, add_transport_option, check_factor_count,
-                   check_run_options, check_transport, error_line, format_factors,
+from ..cli import (OptionError, add_device_option, add_run_options, add_transport_option,
+                   check_device, check_factor_count, check_run_options, check_transport,
+                   error_line, format_factors,
                    parse_factors, parse_link, parse_strategies, split_variant)
 from ..emulation import DEFAULT_LINK
 from ..launch_env import launch_env
@@ -114,6 +115,7 @@ def add_arguments(p: argparse.ArgumentParser, ranks: bool = True) -> None:
                    help="with --netns: the factor-1 link's rate, tc syntax in bits "
                         "(e.g. 100mbit, 500kbit)")
     add_transport_option(p, "ashl.train's, zmq")
+    add_device_option(p)
     p.add_argument("--out", default=None, help="directory of the runs (default: next to --json)")
     p.add_argument("--json", default=os.path.join("out", "e2e", "e2e.json"),
                    help="where the results go (.md table and .png plot beside it)")
@@ -182,6 +184,7 @@ def train_command(args, strategy: str, run_dir: str, compute: Sequence[float],
             "--out", run_dir, "--no-progress"]
     if args.step_time is not None:
         cmd += ["--step-time", f"{args.step_time:g}"]
+    cmd += ["--device", args.device]
     if args.link_base and hosts is None:
         cmd += ["--link-base", args.link_base]
     if not args.full_budget:
@@ -510,6 +513,7 @@ def check(args) -> Setup:
     names = parse_strategies(args.strategies, default_strategies())
     args.transport = getattr(args, "transport", None)   # None: ashl.train's default
     check_transport(args.transport)
+    args.device = check_device(args.device)
     if args.ranks < 1:
         raise OptionError(f"--ranks {args.ranks}: must be >= 1")
     # Under --hostfile, a cifar10:DIR need not exist here, only on the hosts.
@@ -584,6 +588,7 @@ def scenario(args, setup: Setup) -> dict:
         "overlap": args.overlap,
         "model": args.model, "dataset": args.dataset, "seed": args.seed, "seeds": setup.seeds,
         "batch_size": args.batch_size, "lr": args.lr, "step_time_s": args.step_time,
+        "device": args.device,
         "comm_compute_ratio": _comm_compute_ratio(args),
         "target_accuracy": args.target_accuracy, "max_seconds": args.max_seconds,
         "stop_at_target": not args.full_budget, "timeout_s": setup.timeout,

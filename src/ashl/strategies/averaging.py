@@ -52,7 +52,7 @@ from ..stages import Stage, StageConfig, StageMachine
 from .base import Strategy
 from .control import ControlSlots, decide, idle_seconds
 from .model_state import verify_same_model
-from .runtime import horovod, world_comm
+from .runtime import horovod, horovod_staging, world_comm
 
 log = logging.getLogger("ashl")
 
@@ -80,6 +80,8 @@ class ModelAveragingStrategy(Strategy):
         check_compression(compression, self.name, self.accepts_compression)
         verify_same_model(world, self.names, self.tensors)
         self.hvd = horovod(self.name, world) if hvd is None else hvd
+        # Horovod without GPU operations: a CUDA model's allreduce goes through host memory
+        self.staging = horovod_staging(self.hvd, self.device, self.name)
         self.t0 = time.monotonic()           # the control rank's copy is the run's clock
         self.mc = MPICoordinator(world, root=0, planner_config=planner_config,
                                  stage_config=stage_config, drift_config=drift_config)
@@ -159,7 +161,7 @@ class ModelAveragingStrategy(Strategy):
         # An emulated slow link delays this rank's contribution; the allreduce then ends no
         # sooner than the slowest rank's data arrives, as on a real network.
         self.hetero.depart(4 * self.flat.numel())
-        self.hvd.allreduce_(self.flat, op=self.hvd.Sum, name=_ALLREDUCE_NAME)
+        control = self._allreduce()
         self.bytes_sent += 4 * self.flat.numel()
         self.commits += 1
         self.round_steps = 0
@@ -177,6 +179,14 @@ class ModelAveragingStrategy(Strategy):
             self.pending_accuracy = self.evaluations.maybe()
         self._round_start = time.perf_counter()
         return reading
+
+    def _allreduce(self) -> torch.Tensor:
+        """self.flat summed over the ranks, in place; returns its control slots, in host
+        memory when the sum was staged there."""
+        summed = self.staging.to_host_flat(self.flat, "allreduce")
+        self.hvd.allreduce_(summed, op=self.hvd.Sum, name=_ALLREDUCE_NAME)
+        self.staging.from_host(self.flat, summed)
+        return summed[self.numel:]
 
     def _merge(self, reading) -> bool:
         """anchors += the summed deltas; params = anchors. Not when the run stops on an
@@ -207,8 +217,9 @@ class ModelAveragingStrategy(Strategy):
     def _final_model(self) -> None:
         final = self.flat[:self.numel]
         kernels.pack_delta(self.anchors, [torch.zeros_like(a) for a in self.anchors], final)
-        self.hvd.broadcast_(final, root_rank=0, name=_FINAL_NAME)
-        kernels.unpack_assign(self.tensors, self.anchors, final)
+        sent = self.staging.to_host_flat(final, "final")
+        self.hvd.broadcast_(sent, root_rank=0, name=_FINAL_NAME)
+        kernels.unpack_assign(self.tensors, self.anchors, self.staging.to_device(sent, "final"))
 
     def _close(self) -> None:
         self.mc.close()

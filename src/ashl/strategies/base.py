@@ -32,6 +32,8 @@ from .. import kernels
 from ..coordinator import wait_polled
 from ..emulation import ComputeSlowdown, Heterogeneity
 from ..planner import Plan
+from ..device import model_device
+from ..staging import WireStaging
 from ..stages import RunningLoss, Stage, StageConfig, StageMachine
 from ..timeline import Timeline, timeline_path, write_chrome_trace
 from .model_state import model_state
@@ -170,6 +172,8 @@ class Strategy:
         self.numel = kernels.flat_numel(self.tensors)
         # the parameters come first in the flat model, then the floating-point buffers
         self.params_numel = kernels.flat_numel(self.tensors[:len(params)])
+        self.device = model_device(self.tensors)
+        self.staging = WireStaging(self.device)   # a CUDA model's trips to the wire
         self.sampler = sampler
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         if not 0 <= control_rank < self.size:
@@ -311,6 +315,8 @@ class Strategy:
                 "rejected": self.rejected, "stop_reason": self.stop_reason,
                 "global_commits": self.global_commits, "left_early": self.left_early,
                 "last_accuracy": self.evaluations.last_accuracy,
+                "device": str(self.device),
+                "staging": {"staged": self.staging.staged, **self.staging.copies},
                 "emulation": None if self.slowdown is None else {
                     "factor": self.slowdown.factor, "step_s": self.slowdown.step_s,
                     "steps": self.slowdown.steps, "overruns": self.slowdown.overruns}}
@@ -335,6 +341,11 @@ class Strategy:
             self._start()
 
     def after_step(self, loss) -> None:
+        if self.device.type == "cuda":
+            # A step is timed on the host's clock (the profile, the round's mean for drift):
+            # its kernels must have run, not just been queued. One wait a step, where the
+            # loop's own loss.item() would wait anyway.
+            torch.cuda.current_stream(self.device).synchronize()
         dt = self.clock.step_done(self.slowdown)
         self.local_steps += 1
         self.round_steps += 1

@@ -30,6 +30,13 @@ next backward, and so submits the next step's gradients, that much later: in ste
 every step waits for the slowest rank's compute plus transfer, as on a real slow link; only
 the first step differs.
 
+A CUDA model under a Horovod built without GPU operations (no NCCL): Horovod's hooks
+cannot take device gradients, so the wrapped optimizer is ashl's own: at ``step()`` (or
+``synchronize()``) every gradient is gathered into one flat device buffer per dtype, copied
+once to pinned host memory, averaged by one ``hvd.allreduce_``, copied back and scattered
+into the gradients (staging.py); then the user's step. Same average, one collective a step
+instead of one per tensor, none of it overlapped with backward. Said once in the log.
+
 ``opt.stage`` reads "TRAIN" while training and "DONE" at the end.
 """
 from __future__ import annotations
@@ -45,10 +52,11 @@ from ..compression import check_compression
 from ..stages import Stage, StageConfig, StageMachine
 from .base import Strategy
 from .control import ControlSlots, decide
-from .runtime import horovod, world_comm
+from .runtime import horovod, horovod_staging, world_comm
 
 _CONTROL_NAME = "ashl.bsp.control"
 _FINAL_NAME = "ashl.bsp.final"
+_GRADS_NAME = "ashl.bsp.grads"
 
 
 class BspStrategy(Strategy):
@@ -66,6 +74,7 @@ class BspStrategy(Strategy):
                          evaluate=evaluate, eval_every_s=eval_every_s, control_rank=0,
                          stage_config=stage_config)
         self.hvd = horovod(self.name, world) if hvd is None else hvd
+        self.staging = horovod_staging(self.hvd, self.device, self.name)
         self.compression = check_compression(compression, self.name, self.accepts_compression)
         if isinstance(control_every, bool) or not isinstance(control_every, int) or control_every < 1:
             raise ValueError(f"control_every must be an integer >= 1, got {control_every!r}")
@@ -81,6 +90,34 @@ class BspStrategy(Strategy):
 
     def machine(self) -> StageMachine:
         return self._machine
+
+    @property
+    def staged_gradients(self) -> bool:
+        """Does ashl average the gradients through host memory (Horovod cannot take them)?"""
+        return self.staging.staged
+
+    def average_gradients(self) -> None:
+        """Staged BSP: every parameter's gradient replaced by its average over the ranks, in
+        one allreduce per gradient dtype (module docstring)."""
+        grads = [p.grad for p in self.optimizer_params() if p.grad is not None]
+        by_dtype: dict = {}
+        for g in grads:
+            by_dtype.setdefault(g.dtype, []).append(g)
+        for dtype, group in by_dtype.items():
+            flat = torch.cat([g.reshape(-1) for g in group])
+            summed = self.staging.to_host_flat(flat, f"grads.{dtype}")
+            sent = summed.half() if self.compression is not None and \
+                self.compression.name == "fp16" else summed   # Horovod's fp16, on the wire
+            self.hvd.allreduce_(sent, op=self.hvd.Sum, name=f"{_GRADS_NAME}.{dtype}")
+            if sent is not summed:
+                summed.copy_(sent)
+            summed.div_(self.size)
+            self.staging.from_host(flat, summed)
+            torch._foreach_copy_(group, [part.view_as(g) for part, g in
+                                         zip(flat.split([g.numel() for g in group]), group)])
+
+    def optimizer_params(self) -> list:
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
 
     @property
     def horovod_optimizer(self) -> bool:
@@ -148,9 +185,10 @@ class BspStrategy(Strategy):
         control round: it contributes nothing), then all take rank 0's model (parameters and
         floating-point buffers: BatchNorm statistics are not averaged by BSP)."""
         self.hvd.join()
-        flat = self.flat_model()
+        flat = self.staging.to_host_flat(self.flat_model(), "final")
         self.hvd.broadcast_(flat, root_rank=0, name=_FINAL_NAME)
-        kernels.unpack_assign(self.tensors, [torch.zeros_like(t) for t in self.tensors], flat)
+        kernels.unpack_assign(self.tensors, [torch.zeros_like(t) for t in self.tensors],
+                              self.staging.to_device(flat, "final"))
 
     def counters(self) -> dict:
         c = super().counters()

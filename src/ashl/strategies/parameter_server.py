@@ -158,7 +158,8 @@ class ServerStrategy(Strategy):
                                          fault_tolerant=self.fault_tolerant,
                                          timeout_s=self.fault_timeout_s, poll_s=poll_s,
                                          server_error=self._server_error, join=self.join)
-        self.client = ServerClient(end, self.rank, self.numel, heterogeneity=self.hetero)
+        self.client = ServerClient(end, self.rank, self.numel, heterogeneity=self.hetero,
+                                   pinned=self.staging.pinned)
         self.run_summary: Optional[dict] = None   # fault-tolerant: the server's word on the end
         self.dropped = False                 # the server dropped this rank as lost
         self.staleness, self.bound, self.downlink = staleness, bound, downlink
@@ -167,7 +168,6 @@ class ServerStrategy(Strategy):
         self.anchors: Optional[list[torch.Tensor]] = None
         self.residual = Residual(self.tensors) if all(
             t.dtype == torch.float32 for t in self.tensors) else None
-        self.send_buf = torch.empty(0, dtype=torch.uint8)
         self.scratch: Optional[torch.Tensor] = None  # fp32 delta for compressors that need it
         self.server: Optional[ServerThread] = None
         self.version = 0                     # global version of the model we hold
@@ -292,7 +292,7 @@ class ServerStrategy(Strategy):
         if self.emulated_from_env:     # the slot's emulated speed, as its launched rank had
             self.hetero = self.client.hetero = Heterogeneity.from_env(self.rank)
             self.slowdown = self.hetero.slowdown()
-        kernels.unpack_assign(self.tensors, self.anchors, reply.model)
+        kernels.unpack_assign(self.tensors, self.anchors, self.staging.to_device(reply.model))
         self.clear_optimizer_state()   # its first steps' momentum was for another model
         self.round_steps = 0           # and those steps are not the slot's
         self.clock.new_round()
@@ -307,6 +307,8 @@ class ServerStrategy(Strategy):
                     self.name, self.rank, self.size, self.version)
 
     def _start_server(self, model: torch.Tensor) -> None:
+        # The global model lives in host memory, where the commits arrive (docs/DESIGN.md).
+        model = model.to("cpu")
         # delayed-nesterov's n defaults to one round: one commit of every rank
         outer = make_outer(self.outer_spec, self.numel, round_updates=self.size,
                            device=model.device, params_numel=self.params_numel)
@@ -398,19 +400,19 @@ class ServerStrategy(Strategy):
         return True
 
     def _pack(self, compressor: Compressor):
-        need = compressor.max_nbytes(self.numel)
-        if self.send_buf.numel() < need:
-            self.send_buf = torch.empty(need, dtype=torch.uint8)
+        """The commit's payload, packed (and compressed) on the model's device, in host
+        memory for the wire: for a CPU model the pack buffer is the wire buffer."""
+        out = self.staging.device_buffer("pack", compressor.max_nbytes(self.numel))
         if compressor is not Compression.none and self.scratch is None:
-            self.scratch = torch.empty(self.numel, dtype=torch.float32)
-        return compressor.pack(self.tensors, self.anchors, self.residual, self.scratch,
-                               self.send_buf)
+            self.scratch = torch.empty(self.numel, dtype=torch.float32, device=self.device)
+        return self.staging.to_host(
+            compressor.pack(self.tensors, self.anchors, self.residual, self.scratch, out))
 
     def _absorb(self, reply: Reply, final: bool) -> None:
         """The reply: the global model becomes params and anchors; a plan, a rejection, a
         stage change or a stop is taken on."""
         if reply.model is not None:
-            kernels.unpack_assign(self.tensors, self.anchors, reply.model)
+            kernels.unpack_assign(self.tensors, self.anchors, self.staging.to_device(reply.model))
         if reply.plan is not None:
             self.adopt_plan(reply.plan)
         self.accepted += reply.accepted
@@ -455,7 +457,7 @@ class ServerStrategy(Strategy):
         """The server's final global model on every rank, and why the run ended: a
         broadcast, or in a fault-tolerant run (no collective may involve a lost rank) one
         message from the server to every rank that left the run."""
-        final = torch.empty(self.numel, dtype=torch.float32)
+        final = torch.empty(self.numel, dtype=torch.float32, pin_memory=self.staging.pinned)
         if self.client.inflight is not None and not self.dropped:
             self._land(wait=True)   # its reply must not be taken for the final model
         if self.server is not None:
@@ -467,7 +469,7 @@ class ServerStrategy(Strategy):
             self._final_model_by_message(final)
             return
         self.wire.Bcast(final.numpy(), root=self.server_rank)
-        kernels.unpack_assign(self.tensors, self.anchors, final)
+        kernels.unpack_assign(self.tensors, self.anchors, self.staging.to_device(final))
         reason = self.wire.bcast(self.stop_reason if self.is_server else None,
                                  root=self.server_rank)
         self._stop_reason = reason or self._stop_reason
@@ -485,7 +487,7 @@ class ServerStrategy(Strategy):
         else:
             model, self.run_summary = self.client.final()
             final.copy_(model)
-        kernels.unpack_assign(self.tensors, self.anchors, final)
+        kernels.unpack_assign(self.tensors, self.anchors, self.staging.to_device(final))
         self._stop_reason = self.run_summary.get("stop_reason") or self._stop_reason
 
     def _close(self) -> None:
@@ -517,7 +519,8 @@ class ServerStrategy(Strategy):
                        "commits": self.mc.coordinator.machine.commits}
             checkpoint.atomic_save(run, path)
         checkpoint.save_rank(path, self.rank, optimizer, self.counters(), self.current_epoch(),
-                             residual=None if self.residual is None else self.residual.flat.clone())
+                             residual=None if self.residual is None
+                             else self.residual.flat.to("cpu", copy=True))
 
     def load_checkpoint(self, path: str, optimizer) -> None:
         """Before the first step: continue the run saved at ``path`` (every rank)."""
@@ -528,7 +531,7 @@ class ServerStrategy(Strategy):
         self._check_outer_state(path, run.get("outer"))
         own = checkpoint.load_rank(path, self.rank, optimizer)
         kernels.unpack_assign(self.tensors, [t.clone() for t in self.tensors],
-                              run["global_model"])
+                              self.staging.to_device(run["global_model"]))
         if self.residual is not None and own.get("residual") is not None:
             self.residual.flat.copy_(own["residual"])
         counters = own.get("counters", {})

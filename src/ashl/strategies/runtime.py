@@ -2,9 +2,13 @@
 what to change in the launch or the script."""
 from __future__ import annotations
 
+import logging
 import os
 
-__all__ = ["mpi_world", "world_comm", "horovod"]
+__all__ = ["mpi_world", "world_comm", "horovod", "horovod_reduces_on", "horovod_staging"]
+
+log = logging.getLogger("ashl")
+_said_staged: set = set()
 
 
 def mpi_world():
@@ -45,3 +49,28 @@ def horovod(strategy: str, comm=None):
                            f"communicator's (rank {comm.Get_rank()} of {comm.Get_size()}): "
                            "initialise with hvd.init(comm=MPI.COMM_WORLD)")
     return hvd
+
+
+def horovod_reduces_on(hvd, device, strategy: str) -> bool:
+    """Can Horovod's collectives take tensors on `device` as they are? The CPU always; a
+    CUDA device only when Horovod was built with NCCL (HOROVOD_GPU_OPERATIONS=NCCL). When
+    not, the strategy stages through pinned host memory, and says so once in the log."""
+    if device.type == "cpu":
+        return True
+    nccl = getattr(hvd, "nccl_built", None)
+    if nccl is not None and nccl():
+        return True
+    if strategy not in _said_staged:
+        _said_staged.add(strategy)
+        log.warning("%s: this Horovod was built without GPU operations: each exchange of the "
+                    "%s model is staged through pinned host memory (one copy each way)",
+                    strategy, device)
+    return False
+
+
+def horovod_staging(hvd, device, strategy: str):
+    """The WireStaging of a strategy whose exchanges are Horovod collectives: none for a
+    CPU model (unless ASHL_STAGE_WIRE=1) or a Horovod that reduces on the GPU itself."""
+    from ..staging import WireStaging
+    on_device = horovod_reduces_on(hvd, device, strategy)
+    return WireStaging(device, staged=None if device.type == "cpu" else not on_device)

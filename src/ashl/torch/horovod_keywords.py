@@ -15,6 +15,10 @@ honoured where it has a meaning there or refused with a ValueError that names it
                                 model in one fused buffer)
     sparse_as_dense             honoured: deltas are always dense
     process_set                 the global process set; any other is refused
+
+Strategy "bsp" on a CUDA model under a Horovod without GPU operations averages the gradients
+itself (strategies/bsp.py): op Average and the global process set only; the other keywords
+keep their meaning (the average is the same, one allreduce per gradient dtype).
 """
 from __future__ import annotations
 
@@ -92,6 +96,20 @@ class HorovodKeywords:
         if self.process_set is not None and not _is_global(self.process_set, hvd):
             raise ValueError(f"process_set={self.process_set!r}: strategy {strategy!r} runs on "
                              "every rank of the job (the global process set) only")
+
+
+    def check_for_staged_gradients(self) -> None:
+        """Strategy "bsp" averaging the gradients through host memory: op Average and the
+        global process set."""
+        hvd = _horovod()
+        why = ("strategy 'bsp' on a CUDA model averages the gradients itself (this Horovod "
+               "was built without GPU operations)")
+        if self.op is not None and (hvd is None or self.op != hvd.Average):
+            raise ValueError(f"op={_op_name(self.op)}: {why}, with op=hvd.Average only; build "
+                             "Horovod with HOROVOD_GPU_OPERATIONS=NCCL for its other reductions")
+        if self.process_set is not None and not _is_global(self.process_set, hvd):
+            raise ValueError(f"process_set={self.process_set!r}: {why}, over every rank of the "
+                             "job (the global process set) only")
 
 
 def _is_global(process_set, hvd) -> bool:

@@ -6,6 +6,7 @@ decide when to communicate.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Optional
 
@@ -38,7 +39,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._ashl_warned = True
             log.warning("rank %d: the run has ended (%s); step() does nothing from now on "
                         "(end the loop on opt.finished)", self._ashl.rank, self._ashl.stop_reason)
-        if hasattr(self, "synchronize"):   # strategy "bsp": complete Horovod's allreduces
+        if hasattr(self, "synchronize") and not getattr(self, "_ashl_staged", False):
+            # strategy "bsp": complete Horovod's allreduces
             self.synchronize()
         return None
 
@@ -96,6 +98,34 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if not getattr(self, "_ashl_closed", False):
             self._ashl_closed = True
             self._ashl.finish()
+
+
+class _StagedBspOptimizer(torch.optim.Optimizer):
+    """Strategy "bsp" where Horovod cannot take the gradients (bsp.py): ashl averages them
+    at step(), with Horovod's synchronize() and skip_synchronize() for the scripts that
+    unscale or clip between the two (GradScaler)."""
+
+    _ashl_staged = True
+
+    def synchronize(self) -> None:
+        """Average the gradients now; the next step() does not average them again."""
+        self._ashl.average_gradients()
+        self._ashl_synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """step() within it does not average: synchronize() was called already."""
+        self._ashl_skip = True
+        try:
+            yield
+        finally:
+            self._ashl_skip = False
+
+    def _ashl_step(self, closure=None):
+        if not (getattr(self, "_ashl_synchronized", False) or getattr(self, "_ashl_skip", False)):
+            self._ashl.average_gradients()
+        self._ashl_synchronized = False
+        return super(self.__class__, self).step(closure)
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None,
@@ -159,12 +189,16 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         if kwargs.get("fault_tolerant"):
             end_failed_start(exc, kwargs.get("comm"))
         raise
-    if strategy == "bsp":
+    if strategy == "bsp" and not engine.staged_gradients:
         wrapped = _wrap_horovod(optimizer, model, named_parameters,
                                 dict(horovod.for_horovod(), compression=engine.horovod_compression))
     else:
-        cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
-                   dict(_DistributedOptimizer.__dict__))
+        body = dict(_DistributedOptimizer.__dict__)
+        if strategy == "bsp":   # a CUDA model, a Horovod without GPU operations (bsp.py)
+            horovod.check_for_staged_gradients()
+            body.update((k, v) for k, v in _StagedBspOptimizer.__dict__.items()
+                        if k not in ("__dict__", "__weakref__", "__module__", "__doc__"))
+        cls = type(optimizer.__class__.__name__, (optimizer.__class__,), body)
         wrapped = cls.__new__(cls)
         wrapped.__dict__.update(optimizer.__dict__)   # the same param_groups and state objects
     wrapped._ashl = engine

@@ -1,0 +1,226 @@
+"""A CUDA model's path to the wire (ashl.staging), run on CPU tensors: the buffers, the
+copies and what the strategies do with them (ASHL_STAGE_WIRE=1 stages a CPU model as a CUDA
+one is staged). Mixed precision: a step GradScaler skips is not a local step."""
+import pytest
+import torch
+
+import ashl.torch as ashl
+from ashl.compression import Compression, Payload, Residual
+from ashl.protocol import Kind
+from ashl.stages import StageConfig
+from ashl.staging import STAGE_ENV, WireStaging
+
+from fake_world import FakeWorld
+
+
+def test_a_cpu_model_is_not_staged_unless_asked(monkeypatch):
+    monkeypatch.delenv(STAGE_ENV, raising=False)
+    plain = WireStaging("cpu")
+    payload = Payload.dense(torch.arange(5, dtype=torch.float32))
+    assert not plain.staged and not plain.pinned
+    assert plain.to_host(payload) is payload
+    flat = torch.ones(3)
+    assert plain.to_device(flat) is flat and plain.to_host_flat(flat) is flat
+    assert plain.copies["to_host"] == plain.copies["to_device"] == 0
+    monkeypatch.setenv(STAGE_ENV, "1")
+    assert WireStaging("cpu").staged
+
+
+def test_a_staged_payload_is_the_same_bytes_in_the_host_send_buffer():
+    staging = WireStaging("cpu", staged=True)
+    params = [torch.randn(7), torch.randn(3, 5)]
+    anchors = [torch.zeros_like(p) for p in params]
+    residual = Residual(params)
+    scratch = torch.empty(22)
+    out = staging.device_buffer("pack", Compression.topk(0.2).max_nbytes(22))
+    packed = Compression.topk(0.2).pack(params, anchors, residual, scratch, out)
+    wire = staging.to_host(packed)
+    assert wire.kind == Kind.SPARSE_DELTA and wire.nnz == packed.nnz == 5
+    assert wire.buffer.data_ptr() != packed.buffer.data_ptr()
+    assert torch.equal(wire.buffer, packed.buffer)
+    assert staging.copies == {"to_host": 1, "to_device": 0,
+                              "bytes_to_host": packed.nbytes, "bytes_to_device": 0}
+
+
+def test_buffers_are_kept_and_grow_never_shrink():
+    staging = WireStaging("cpu", staged=True)
+    first = staging.host_buffer("send", 100)
+    assert staging.host_buffer("send", 60).data_ptr() == first.data_ptr()
+    grown = staging.host_buffer("send", 200)
+    assert grown.numel() == 200 and staging.host_buffer("send", 150) is grown
+    assert staging.device_buffer("send", 10) is not grown    # device and host apart
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_a_reply_reaches_the_device_buffer_in_its_dtype(dtype):
+    staging = WireStaging("cpu", staged=True)
+    reply = torch.randn(9).to(dtype)
+    on_device = staging.to_device(reply)
+    assert on_device.dtype == dtype and on_device.data_ptr() != reply.data_ptr()
+    assert torch.equal(on_device, reply)
+    back = torch.empty(9, dtype=dtype)
+    staging.from_host(back, staging.to_host_flat(on_device))
+    assert torch.equal(back, reply) and staging.copies["to_device"] == 2
+
+
+def test_compression_refuses_a_buffer_on_another_device():
+    with pytest.raises(ValueError, match="out is on meta but the delta is on cpu"):
+        Compression.none.compress(torch.ones(4), out=torch.empty(16, dtype=torch.uint8,
+                                                               device="meta"))
+
+
+# --- the strategies, staged, on the in-process fake world ------------------------------------
+
+def model_and_data(rank: int):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    g = torch.Generator().manual_seed(100 + rank)
+    return model, torch.randn(64, 4, generator=g), torch.randint(0, 3, (64,), generator=g)
+
+
+def flat_state(model) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1) for t in model.state_dict().values()
+                      if t.is_floating_point()])
+
+
+def averaging_run(strategy: str, _device: str = "cpu", **config):
+    # built here, not in the ranks' threads: torch.manual_seed is global to the process
+    ranks = [[t.to(_device) for t in model_and_data(r)] for r in range(3)]
+
+    def rank_fn(comm, hvd):
+        model, x, y = ranks[comm.Get_rank()]
+        opt = ashl.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                        model=model, strategy=strategy, comm=comm, hvd=hvd,
+                                        stage_config=StageConfig(max_commits=12), **config)
+        step = 0
+        while not opt.finished:
+            i = (step * 8) % 64
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x[i:i + 8]), y[i:i + 8]).backward()
+            opt.step()
+            step += 1
+        opt.finish()
+        return flat_state(model), opt.counters()
+
+    return FakeWorld(3).run(rank_fn)
+
+
+@pytest.mark.parametrize("strategy,config", [
+    ("localsgd", {"local_steps": 2}),
+    ("diloco", {"local_steps": 2})])
+def test_a_staged_allreduce_ends_with_the_unstaged_runs_model(strategy, config, monkeypatch):
+    monkeypatch.delenv(STAGE_ENV, raising=False)
+    plain = averaging_run(strategy, **config)
+    monkeypatch.setenv(STAGE_ENV, "1")
+    staged = averaging_run(strategy, **config)
+    for (flat, counters), (ref, ref_counters) in zip(staged, plain):
+        assert torch.equal(flat, ref)
+        assert counters["staging"]["staged"] and not ref_counters["staging"]["staged"]
+        # one trip each way per round, and the final model's
+        rounds = counters["commits"]
+        assert counters["staging"]["to_host"] == rounds + 1
+        assert counters["staging"]["to_device"] == rounds + 1
+
+
+def test_staged_bsp_averages_every_gradient_and_follows_horovods_amp_recipe(monkeypatch):
+    """Horovod's GradScaler recipe (synchronize, unscale_, step under skip_synchronize): after
+    each step every rank holds the same model (their data differ); an inf gradient on one
+    rank makes every rank skip that step, and a skipped step is not a local step. (Parameters:
+    BSP does not average BatchNorm's statistics.)"""
+    monkeypatch.setenv(STAGE_ENV, "1")
+    ranks = [model_and_data(r) for r in range(2)]   # (torch.manual_seed is per process)
+
+    def rank_fn(comm, hvd):
+        model, x, y = ranks[comm.Get_rank()]
+        opt = ashl.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                        model=model, strategy="bsp", comm=comm, hvd=hvd,
+                                        stage_config=StageConfig(max_commits=2 * 4))
+        scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+        after, step = [], 0
+        while not opt.finished:
+            i = (step * 8) % 64
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = torch.nn.functional.cross_entropy(model(x[i:i + 8]), y[i:i + 8])
+            scaler.scale(loss).backward()
+            if step == 1 and comm.Get_rank() == 1:
+                model[0].weight.grad[0, 0] = float("inf")
+            opt.synchronize()
+            scaler.unscale_(opt)
+            with opt.skip_synchronize():
+                scaler.step(opt)
+            scaler.update()
+            after.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+            step += 1
+        opt.finish()
+        return after, opt.counters()
+
+    results = FakeWorld(2).run(rank_fn)
+    (a0, c0), (a1, c1) = results
+    assert len(a0) == len(a1) == 5           # 4 counted steps and the skipped one
+    for m0, m1 in zip(a0, a1):
+        assert torch.equal(m0, m1)
+    assert torch.equal(a0[0], a0[1])          # the skipped step left the model alone
+    assert c0["local_steps"] == c1["local_steps"] == 4
+    assert c0["staging"]["staged"] and c0["staging"]["to_host"] >= 4
+
+
+def test_a_step_gradscaler_skips_is_not_a_local_step():
+    def rank_fn(comm, hvd):
+        model, x, y = model_and_data(comm.Get_rank())
+        opt = ashl.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                        model=model, strategy="localsgd", local_steps=2,
+                                        comm=comm, hvd=hvd,
+                                        stage_config=StageConfig(max_commits=2 * 2))
+        scaler = torch.amp.GradScaler("cpu")
+        step = 0
+        while not opt.finished:
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = torch.nn.functional.cross_entropy(model(x[:8]), y[:8])
+            scaler.scale(loss).backward()
+            if step == 2:
+                model[0].bias.grad[0] = float("nan")
+            scaler.step(opt)
+            scaler.update()
+            step += 1
+        opt.finish()
+        return step, opt.counters()["local_steps"]
+
+    assert FakeWorld(2).run(rank_fn) == [(5, 4), (5, 4)]
+
+
+# --- on a GPU (skipped without one) ------------------------------------------------------
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
+
+
+@cuda
+def test_a_cuda_payload_reaches_pinned_host_memory_in_one_copy():
+    staging = WireStaging("cuda:0")
+    assert staging.staged and staging.pinned
+    params = [torch.randn(1001, device="cuda"), torch.randn(7, 3, device="cuda")]
+    anchors = [torch.zeros_like(p) for p in params]
+    residual = Residual(params)
+    scratch = torch.empty(1022, device="cuda")
+    compressor = Compression.topk(0.05)
+    out = staging.device_buffer("pack", compressor.max_nbytes(1022))
+    packed = compressor.pack(params, anchors, residual, scratch, out)
+    wire = staging.to_host(packed)
+    assert wire.buffer.device.type == "cpu" and wire.buffer.is_pinned()
+    assert torch.equal(wire.buffer, packed.buffer.cpu())
+    assert staging.copies["to_host"] == 1
+    reply = torch.randn(1022).pin_memory()
+    on_device = staging.to_device(reply)
+    assert on_device.is_cuda and torch.equal(on_device.cpu(), reply)
+
+
+@cuda
+def test_a_cuda_model_averages_through_host_memory_like_a_cpu_model(monkeypatch):
+    """FakeHorovod has no GPU operations: the CUDA model's rounds are staged."""
+    monkeypatch.delenv(STAGE_ENV, raising=False)
+    plain = averaging_run("localsgd", local_steps=2)
+    on_gpu = averaging_run("localsgd", local_steps=2, _device="cuda")
+    for (flat, counters), (ref, _) in zip(on_gpu, plain):
+        assert flat.is_cuda and torch.allclose(flat.cpu(), ref, atol=1e-5)
+        assert counters["device"] == "cuda:0" and counters["staging"]["staged"]
