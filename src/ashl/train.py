@@ -88,6 +88,9 @@ def build_parser(prog: str = PROG) -> OneLineParser:
                         "rounds, whichever is longer) is dropped")
     add_transport_option(p, "zmq")
     add_device_option(p)
+    p.add_argument("--global-model-on", choices=("host", "device"), default=None,
+                   help="where the server rank keeps the global model (ashl, ssp, asp, adsp, "
+                        "async-localsgd): host memory, or its --device (default: host)")
     add_checkpoint_options(p)
     p.add_argument("--out", default=os.path.join("out", "train"), help="output directory")
     p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
@@ -147,6 +150,9 @@ def check_options(args: argparse.Namespace) -> argparse.Namespace:
         check_fault_tolerant(args.strategy, args.fault_timeout)
     args.transport = getattr(args, "transport", None)   # None: the strategy's default
     check_transport(args.transport, args.strategy, args.fault_tolerant)
+    if args.global_model_on is not None and args.strategy not in PARAMETER_SERVER:
+        raise OptionError(f"--global-model-on {args.global_model_on}: strategy {args.strategy} has "
+                          "no parameter server")
     if args.overlap:
         check_overlap(args.strategy)
     if args.max_seconds is None and args.max_commits is None and args.target_accuracy is None:
@@ -492,6 +498,8 @@ class Run:
             config["transport"] = a.transport
         if a.overlap is not None:          # None: the strategy's default
             config["overlap"] = a.overlap
+        if a.global_model_on is not None:
+            config["global_model_on"] = a.global_model_on
         if a.strategy in ("ashl", "async-localsgd"):
             # this loop calls no collective between epochs for them (Checkpoints.after_epoch)
             config["profile_within_epoch"] = False

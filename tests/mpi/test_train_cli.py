@@ -82,6 +82,8 @@ BAD = [
     (["--checkpoint-dir", "unused-ckpt", "--checkpoint-every", "0"], ["--checkpoint-every 0",
                                                                      "> 0"]),
     (["--device", "gpu"], ["--device 'gpu'", "auto, cpu, cuda or cuda:N"]),
+    (["--strategy", "bsp", "--global-model-on", "device"], ["--global-model-on device",
+                                                           "no parameter server"]),
 ]
 
 
@@ -289,11 +291,14 @@ def test_three_ranks_reach_the_target_and_leave_every_output(tmp_path):
 # average, as without Horovod's GPU operations) through separate host buffers.
 @pytest.mark.mpi
 @pytest.mark.skipif(_util.skip_reason() is not None, reason=_util.skip_reason() or "")
-@pytest.mark.parametrize("strategy", ["ashl", "localsgd", "bsp"])
-def test_every_strategy_family_trains_with_its_exchanges_staged(tmp_path, strategy):
+@pytest.mark.parametrize("strategy,extra", [
+    ("ashl", []), ("ashl", ["--global-model-on", "device"]), ("localsgd", []), ("bsp", [])],
+    ids=["ashl", "ashl-global-model-on-device", "localsgd", "bsp"])
+def test_every_strategy_family_trains_with_its_exchanges_staged(tmp_path, strategy, extra):
     out = tmp_path / "run"
     proc = mpirun_train(2, "--strategy", strategy, "--max-seconds", "60", "--target-accuracy",
-                        "0.9", "--device", "cpu", "--out", out, env={"ASHL_STAGE_WIRE": "1"})
+                        "0.9", "--device", "cpu", *extra, "--out", out,
+                        env={"ASHL_STAGE_WIRE": "1"})
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     s = summary(out)
     assert s["final_accuracy"] >= 0.9 and "target accuracy" in s["stop_reason"]
@@ -304,6 +309,8 @@ def test_every_strategy_family_trains_with_its_exchanges_staged(tmp_path, strate
         assert staging["bytes_to_host"] > 0
     if strategy == "bsp":
         assert not s["per_rank"][0]["counters"]["horovod_optimizer"]   # ashl's own average
+    if extra:
+        assert s["per_rank"][0]["counters"]["global_model_on"] == "device"
 
 
 def summary(out):

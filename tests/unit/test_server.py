@@ -14,6 +14,7 @@ from ashl.server import (LATENCY_SAMPLES, ParameterServer, ServerStats, busy_fra
                          latency_summary, nearest_rank)
 from ashl.staleness import parse_staleness
 from ashl.stages import Stage, StageConfig
+from ashl.staging import WireStaging
 
 N = 10
 
@@ -27,7 +28,8 @@ class Clock:
         return self.t
 
 
-def server(n_ranks=3, stage=Stage.AHL, staleness="none", bound=3, **stage_kw):
+def server(n_ranks=3, stage=Stage.AHL, staleness="none", bound=3, downlink=torch.float32,
+           staging=None, **stage_kw):
     clock = Clock()
     coord = Coordinator(n_ranks, stage_config=StageConfig(switch_loss=-1.0, **stage_kw),
                         clock=clock)
@@ -37,7 +39,7 @@ def server(n_ranks=3, stage=Stage.AHL, staleness="none", bound=3, **stage_kw):
         coord.machine.resume(Stage.SHL, clock())
         coord._sync_stage()
     return ParameterServer(torch.zeros(N), n_ranks, coord, staleness=staleness, bound=bound,
-                           clock=clock)
+                           clock=clock, downlink=downlink, staging=staging)
 
 
 def dense(rank, values, stage=Stage.AHL, base=0, commit=0, flags=Flag(0)):
@@ -314,3 +316,23 @@ def test_stats_keep_the_latest_latencies_and_report_the_summary_and_busy_fractio
     assert d["commit_latency"]["samples"] == LATENCY_SAMPLES    # the memory stays flat
     assert d["commit_latency"]["median_ms"] == 10 + LATENCY_SAMPLES // 2 - 1
     assert "latency_ms" not in d and "replies_timed" not in d
+
+
+@pytest.mark.parametrize("downlink", [torch.float32, torch.float16])
+def test_a_global_model_on_a_device_merges_and_replies_as_one_in_host_memory(downlink):
+    """global_model_on="device", run on CPU tensors (staging.py): each commit's bytes copied
+    to the model's buffer first, a reply's model copied to host memory once per version."""
+    plain = server(downlink=downlink)
+    staged = server(downlink=downlink, staging=WireStaging("cpu", staged=True))
+    commits = [dense(0, torch.ones(N)), sparse(1, [1, 7], [0.5, -2.0]),
+               dense(2, [float("nan")] + [1.0] * (N - 1)), dense(0, torch.arange(N), commit=1)]
+    for commit in commits:
+        expected, got = plain.handle(*commit), staged.handle(*commit)
+        assert [r.header for r in got] == [r.header for r in expected]
+        for a, b in zip(expected, got):
+            assert torch.equal(a.payload, b.payload)
+            assert b.payload.data_ptr() != staged.model.data_ptr()   # a host copy
+    assert torch.equal(plain.model, staged.model) and staged.version == 3
+    assert staged.stats.rejected_nonfinite == 1
+    assert staged.staging.copies["to_device"] == len(commits)
+    assert staged.staging.copies["to_host"] == 3       # versions 1, 2 and 3 (the NaN: none)

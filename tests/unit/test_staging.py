@@ -224,3 +224,14 @@ def test_a_cuda_model_averages_through_host_memory_like_a_cpu_model(monkeypatch)
     for (flat, counters), (ref, _) in zip(on_gpu, plain):
         assert flat.is_cuda and torch.allclose(flat.cpu(), ref, atol=1e-5)
         assert counters["device"] == "cuda:0" and counters["staging"]["staged"]
+
+
+def test_global_model_on_is_host_or_device_and_for_a_parameter_server_alone():
+    from ashl.strategies.parameter_server import check_global_model_on
+    from ashl.torch.optimizer import _strategy_options
+    assert check_global_model_on("device") == "device"
+    with pytest.raises(ValueError, match="global_model_on must be 'host'.*got 'gpu'"):
+        check_global_model_on("gpu")
+    with pytest.raises(ValueError, match="global_model_on='device': strategy 'localsgd' has no "
+                                         "parameter server"):
+        _strategy_options("localsgd", 3, {"global_model_on": "device"})

@@ -37,6 +37,7 @@ from ..outer_spec import parse_outer, resolve_outer
 from ..planner import Plan, PlannerConfig, make_plan
 from ..server import ParameterServer, ServerThread
 from ..stages import Stage, StageConfig
+from ..staging import WireStaging
 from ..torch.exit import start_watchdog
 from ..transport import ZmqRankEnd, advertised_hosts, open_ends
 from . import DEFAULT_TRANSPORT, transport_problem
@@ -67,6 +68,17 @@ def check_transport(transport, fault_tolerant: bool) -> str:
     if problem is not None:
         raise ValueError(f"transport={transport!r}: {problem}")
     return transport
+GLOBAL_MODEL_PLACES = ("host", "device")
+
+
+def check_global_model_on(where) -> str:
+    """global_model_on= must be 'host' or 'device'."""
+    if where not in GLOBAL_MODEL_PLACES:
+        raise ValueError(f"global_model_on must be 'host' (the global model in host memory) or "
+                         f"'device' (on the server rank's model device), got {where!r}")
+    return where
+
+
 def check_overlap(overlap, default: bool) -> bool:
     """overlap= must be a bool, or None for the strategy's default."""
     if overlap is None:
@@ -113,8 +125,9 @@ class ServerStrategy(Strategy):
                  heterogeneity=None, profile_steps: int = 10, fault_tolerant: bool = False,
                  fault_timeout_s: float = 5.0, startup_timeout_s: Optional[float] = None,
                  transport: str = DEFAULT_TRANSPORT, overlap: Optional[bool] = None,
-                 profile_within_epoch: bool = True):
+                 profile_within_epoch: bool = True, global_model_on: str = "host"):
         self.fault_tolerant = check_fault_tolerance(fault_tolerant, fault_timeout_s)
+        self.global_model_on = check_global_model_on(global_model_on)
         self.transport = check_transport(transport, self.fault_tolerant)
         self.overlap = check_overlap(overlap, self.overlaps_by_default)
         self.fault_timeout_s = float(fault_timeout_s)
@@ -307,8 +320,10 @@ class ServerStrategy(Strategy):
                     self.name, self.rank, self.size, self.version)
 
     def _start_server(self, model: torch.Tensor) -> None:
-        # The global model lives in host memory, where the commits arrive (docs/DESIGN.md).
-        model = model.to("cpu")
+        # The global model: in host memory, where the commits arrive (the default), or on
+        # this rank's model device, each commit copied there (docs/DESIGN.md).
+        on_device = self.global_model_on == "device"
+        model = model.to(self.device if on_device else "cpu")
         # delayed-nesterov's n defaults to one round: one commit of every rank
         outer = make_outer(self.outer_spec, self.numel, round_updates=self.size,
                            device=model.device, params_numel=self.params_numel)
@@ -316,7 +331,8 @@ class ServerStrategy(Strategy):
                                  staleness=self.staleness, bound=self.bound,
                                  downlink=self.downlink, outer=outer,
                                  silence_s=HUNG_TIMEOUTS * self.fault_timeout_s
-                                 if self.fault_tolerant else None, strategy=self.name)
+                                 if self.fault_tolerant else None, strategy=self.name,
+                                 staging=WireStaging(self.device) if on_device else None)
         self.server = ServerThread(server, self.server_end, lock=self.mc.lock)
 
     def _exchange(self, final: bool = False) -> None:
@@ -588,6 +604,7 @@ class ServerStrategy(Strategy):
         c["accepted"] = self.accepted
         c["transport"] = self.transport
         c["overlap"] = {"enabled": self.overlap, **self.overlap_counts}
+        c["global_model_on"] = self.global_model_on
         if self.join is not None:
             c["replaced_rank"] = self.rank if self.planned else None
         if self.server is not None:

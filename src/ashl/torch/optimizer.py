@@ -161,7 +161,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         heterogeneity; fault_tolerant=True and fault_timeout_s for the asynchronous strategies:
         a worker that dies or falls silent is dropped and the others go on, docs/LAUNCHING.md;
         transport="zmq" (default) or "mpi" for the parameter-server strategies: how commits
-        travel, docs/LAUNCHING.md;
+        travel, docs/LAUNCHING.md; global_model_on="host" (default) or "device" for them:
+        where the server rank keeps the global model (on a GPU: its model's device, each
+        commit copied there, the CUDA kernels merging), docs/DESIGN.md "Models on GPUs";
         overlap for the parameter-server strategies: a rank keeps taking local steps
         while its commit is in flight, docs/DESIGN.md "Overlapped commits" (default: on for
         ashl, off for the others); profile_within_epoch for ashl and async-localsgd (default
@@ -232,6 +234,10 @@ def _strategy_options(strategy: str, staleness, config: dict) -> dict:
         raise ValueError(f"transport={kwargs['transport']!r}: strategy {strategy!r} has no "
                          "parameter server (its rounds are Horovod allreduces); transport= is "
                          f"for {', '.join(PARAMETER_SERVER)}")
+    if "global_model_on" in kwargs and strategy not in PARAMETER_SERVER:
+        raise ValueError(f"global_model_on={kwargs['global_model_on']!r}: strategy {strategy!r} "
+                         "has no parameter server (its rounds are Horovod allreduces); "
+                         f"global_model_on= is for {', '.join(PARAMETER_SERVER)}")
     if kwargs.get("overlap") and strategy not in OVERLAPPING:
         raise ValueError(f"overlap=True: strategy {strategy!r} exchanges in collectives, with no "
                          "commit in flight to overlap; the parameter-server strategies "
