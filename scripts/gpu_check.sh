@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check, for a machine with an NVIDIA GPU (README "On a GPU"). From the repository's
 # root, with the wheels `make gpu-wheels` put in .whl/ when that machine has no package
-# registry (mpi4py, an MPI, pyzmq and mlxtend, for its Python):
+# registry (mpi4py, an MPI, pyzmq, psutil and mlxtend, for its Python):
 #
 #     bash scripts/gpu_check.sh [REPORT_DIR]        # default: $OUT, else out/gpu-check
 #

@@ -136,9 +136,10 @@ def test_one_ranks_horovod_shutdown_leaves_mpi_to_every_rank(tmp_path):
 
 
 # The control rank is slow to leave (its ends' linger; a busy machine): the others must wait
-# for it. Horovod initialised MPI here (the script imports no mpi4py before hvd.init()), so
-# the first rank to shut Horovod down finalises MPI on every rank; the control rank then
-# freed a communicator of a finalised MPI and segfaulted (async-localsgd, 1 CI run in 40).
+# for it. When Horovod initialised MPI (before ashl.torch started it through mpi4py), the
+# first rank to shut Horovod down finalised MPI on every rank; the control rank then freed a
+# communicator of a finalised MPI and segfaulted (async-localsgd, 1 CI run in 40). Now the
+# run's last barrier and mpi4py's ownership both keep that from happening.
 SLOW_TO_LEAVE = """import time
 from ashl.coordinator import MPICoordinator
 _close = MPICoordinator.close
