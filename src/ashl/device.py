@@ -5,10 +5,13 @@
     --device cuda:N   that GPU (N below the host's count)
     --device cpu
 
-The local rank is the launcher's (Open MPI, MPICH/Hydra, MVAPICH, Slurm, horovodrun's
-Gloo): ranks sharing a host take different GPUs, and share them round-robin when there are
-more ranks than GPUs. A model's strategy then takes the device from the model
-(``model_device``).
+The local rank is the launcher's (Open MPI, PMIx, MPICH/Hydra, MVAPICH, horovodrun's Gloo,
+torchrun, Slurm's srun): ranks sharing a host take different GPUs, and share them
+round-robin when there are more ranks than GPUs. The variable of the launcher that started
+the ranks comes first: ``mpirun`` inside a Slurm allocation leaves the batch step's
+SLURM_LOCALID in every rank (the same on all), so Slurm's comes last. Once MPI runs, the
+ranks of a shared-memory communicator say it exactly (``pick_device(spec, comm)``). A
+model's strategy then takes the device from the model (``model_device``).
 """
 from __future__ import annotations
 
@@ -16,11 +19,13 @@ import os
 import re
 from typing import Mapping, Optional, Sequence
 
-__all__ = ["LOCAL_RANK_VARS", "DEVICE_CHOICES", "local_rank", "check_device_spec",
+__all__ = ["LOCAL_RANK_VARS", "DEVICE_CHOICES", "local_rank", "host_rank", "check_device_spec",
            "resolve_device", "pick_device", "model_device"]
 
-LOCAL_RANK_VARS = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK",
-                   "SLURM_LOCALID", "PMIX_LOCAL_RANK", "HOROVOD_LOCAL_RANK", "LOCAL_RANK")
+# The MPI launchers' first, Slurm's last (module docstring).
+LOCAL_RANK_VARS = ("OMPI_COMM_WORLD_LOCAL_RANK", "PMIX_LOCAL_RANK", "MPI_LOCALRANKID",
+                   "MV2_COMM_WORLD_LOCAL_RANK", "HOROVOD_LOCAL_RANK", "LOCAL_RANK",
+                   "SLURM_LOCALID")
 DEVICE_CHOICES = "auto, cpu, cuda or cuda:N"
 _SPEC = re.compile(r"^(auto|cpu|cuda)(?::(\d+))?$")
 
@@ -33,6 +38,17 @@ def local_rank(environ: Optional[Mapping[str, str]] = None) -> int:
         if value.isdigit():
             return int(value)
     return 0
+
+
+def host_rank(comm) -> int:
+    """This rank's rank among the ranks of `comm` that share its memory (its host):
+    collective over `comm`."""
+    from mpi4py import MPI
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        return node.Get_rank()
+    finally:
+        node.Free()
 
 
 def check_device_spec(spec: str) -> str:
@@ -61,11 +77,13 @@ def resolve_device(spec: str, cuda_count: int, rank_on_host: int) -> str:
     return f"cuda:{rank_on_host % cuda_count}"
 
 
-def pick_device(spec: str = "auto"):
-    """The torch.device `spec` means for this rank, here."""
+def pick_device(spec: str = "auto", comm=None):
+    """The torch.device `spec` means for this rank, here. With `comm` (an mpi4py
+    communicator; collective over it) the local rank is MPI's, else the launcher's."""
     import torch
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return torch.device(resolve_device(spec, count, local_rank()))
+    rank_on_host = local_rank() if comm is None else host_rank(comm)
+    return torch.device(resolve_device(spec, count, rank_on_host))
 
 
 def model_device(tensors: Sequence):

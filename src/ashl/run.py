@@ -29,8 +29,11 @@ from typing import Optional, Sequence
 
 ENV = "ASHL_STATUS_DIR"
 _MPI_LAUNCHERS = ("mpirun", "mpiexec", "orterun")
+# Here, not in ashl.torch.exit (which re-exports it): importing ashl.torch starts MPI, and
+# this wrapper runs outside the job.
+LOST_RANKS_STATUS = 3         # a fault-tolerant run ended, but without some of its ranks
 
-__all__ = ["write_status", "read_statuses", "job_status", "settled", "main"]
+__all__ = ["LOST_RANKS_STATUS", "write_status", "read_statuses", "job_status", "settled", "main"]
 
 
 def write_status(rank: int, size: int, status: int, lost: Sequence[int]) -> None:
@@ -68,7 +71,6 @@ def read_statuses(where: str) -> dict[int, dict]:
 
 def job_status(launcher_status: int, statuses: dict[int, dict]) -> tuple[int, list[str]]:
     """The job's status and what to say about it (pure)."""
-    from .torch.exit import LOST_RANKS_STATUS
     if not statuses:
         return launcher_status, []
     size = max(int(r.get("size", 0)) for r in statuses.values())

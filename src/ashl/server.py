@@ -174,6 +174,10 @@ class ParameterServer:
         self._downlink_version = -1
         self._downlink_host: Optional[torch.Tensor] = None
         self.staging = staging
+        # a global model on a GPU is merged on a CUDA stream of its own, apart from the
+        # training thread's kernels; ordered against the caller's at start and end
+        self.cuda_stream = (torch.cuda.Stream(self.model.device)
+                            if self.model.device.type == "cuda" else None)
         self.clock = clock
         self.version = 0
         self.live = set(range(n_ranks))
@@ -419,12 +423,35 @@ class ParameterServer:
             self._downlink_version = self.version
         return self._downlink_host
 
+    # ------------------------------------------------------------------ streams
     def stream(self):
-        """The context the server thread runs in: a CUDA stream of its own for a global
-        model on a GPU (apart from the training thread's kernels), else nothing."""
-        device = self.model.device
-        return (torch.cuda.stream(torch.cuda.Stream(device)) if device.type == "cuda"
-                else contextlib.nullcontext())
+        """The context the server's work runs in: its CUDA stream for a global model on a
+        GPU, else nothing."""
+        return (contextlib.nullcontext() if self.cuda_stream is None
+                else torch.cuda.stream(self.cuda_stream))
+
+    def after_caller(self) -> None:
+        """The server's stream waits for the work the calling thread has queued on its own
+        (what wrote the initial model, the outer state, a checkpoint's): before the server
+        thread starts merging into them."""
+        if self.cuda_stream is not None:
+            self.cuda_stream.wait_stream(torch.cuda.current_stream(self.model.device))
+
+    def before_caller(self) -> None:
+        """The calling thread's stream waits for every merge queued on the server's: before
+        it reads (or overwrites) the model the server thread has left."""
+        if self.cuda_stream is not None:
+            torch.cuda.current_stream(self.model.device).wait_stream(self.cuda_stream)
+
+    def snapshot(self) -> tuple[torch.Tensor, dict]:
+        """The global model and the outer optimizer's state in host memory, while the server
+        thread runs (under its lock): copied on the server's stream, after the merges
+        queued there, and waited for, so no later merge can reach them."""
+        with self.stream():
+            model = self.model.to("cpu", copy=True)
+            outer = {k: v.to("cpu") if isinstance(v, torch.Tensor) else v
+                     for k, v in self.outer.state_dict().items()}   # state_dict copies
+        return model, outer
 
 
 class ServerThread:
@@ -443,6 +470,7 @@ class ServerThread:
     def start(self) -> "ServerThread":
         with self.lock:
             self.server.begin()
+            self.server.after_caller()
         self._thread.start()
         return self
 
@@ -584,5 +612,7 @@ class ServerThread:
 
     def join(self, timeout: Optional[float] = None) -> None:
         self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self.server.before_caller()   # the caller reads the model next
         if self.error is not None:
             raise RuntimeError("the parameter server failed") from self.error

@@ -17,7 +17,10 @@ wait on the host. Neither transport is given device memory: Debian's Open MPI is
 CUDA-aware, and ashl does not use CUDA-aware MPI where one is (docs/DESIGN.md).
 
 The host receive buffer is safe to reuse: the next message into it is the answer to a later
-commit, whose ``to_host`` waited for every copy queued before it.
+commit, whose ``to_host`` waited for every copy queued before it. The host send buffer is
+too: a rank packs its next commit only once the previous one's reply is in, and the server
+replies once it holds the whole commit. Buffers grow geometrically (``GROWTH``), so the
+top-k payloads' varying sizes stop reallocating pinned memory after a few commits.
 
 The decisions (staged or not, which buffer, how big, which stream waits on which) are one
 code path for every device: ``WireStaging("cpu", staged=True)`` runs them with plain host
@@ -26,6 +29,7 @@ buffers, which is how they are tested on machines without a GPU.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from typing import Optional
 
@@ -38,6 +42,10 @@ __all__ = ["WireStaging", "STAGE_ENV"]
 # Stage a CPU model's commits too (through separate host buffers): the CUDA path's code,
 # run where there is no GPU (tests; a user has no reason to set it).
 STAGE_ENV = "ASHL_STAGE_WIRE"
+
+# An outgrown buffer's successor is this much larger (at least what is asked): payloads of
+# varying size (top-k's) settle after O(log) allocations, none in the steady state.
+GROWTH = 1.5
 
 
 class WireStaging:
@@ -54,6 +62,7 @@ class WireStaging:
         self.pinned = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if self.pinned else None
         self._buffers: dict[tuple[str, bool], torch.Tensor] = {}
+        self.allocations = 0
         self.copies = {"to_host": 0, "to_device": 0, "bytes_to_host": 0, "bytes_to_device": 0}
 
     def __repr__(self) -> str:
@@ -62,7 +71,10 @@ class WireStaging:
     # ------------------------------------------------------------------------- buffers
     def device_buffer(self, name: str, nbytes: int) -> torch.Tensor:
         """A uint8 buffer of at least `nbytes` on the model's device, kept for the next call
-        of the same name (grown, never shrunk)."""
+        of the same name (grown by GROWTH at least, never shrunk). A buffer replaced by a
+        larger one is dropped, not freed under its users: the views handed out keep its
+        memory, and pinned memory returns to torch's host allocator only once the copies
+        queued on it are done."""
         return self._buffer(name, nbytes, host=False)
 
     def host_buffer(self, name: str, nbytes: int) -> torch.Tensor:
@@ -73,11 +85,13 @@ class WireStaging:
         key = (name, host)
         buf = self._buffers.get(key)
         if buf is None or buf.numel() < nbytes:
+            size = nbytes if buf is None else max(nbytes, math.ceil(buf.numel() * GROWTH))
             if host:
-                buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
+                buf = torch.empty(size, dtype=torch.uint8, pin_memory=self.pinned)
             else:
-                buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+                buf = torch.empty(size, dtype=torch.uint8, device=self.device)
             self._buffers[key] = buf
+            self.allocations += 1
         return buf
 
     def flat(self, name: str, numel: int, dtype=torch.float32) -> torch.Tensor:

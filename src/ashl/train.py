@@ -742,18 +742,22 @@ def make_dir(option: str, path: str) -> None:
 
 
 def rank_device(spec: str, comm, alone: bool = False):
-    """--device on this rank's host; one rank's refusal (a host without the GPU asked for)
-    is every rank's, so none is left waiting in the first collective."""
+    """--device on this rank's host, made the process's current CUDA device when a GPU;
+    one rank's refusal (a host without the GPU asked for) is every rank's, so none is left
+    waiting in the first collective."""
     from .device import pick_device
     device, problem = None, None
     try:
-        device = pick_device(spec)
+        device = pick_device(spec, None if alone else comm)   # MPI's local rank: exact
     except ValueError as exc:
         problem = f"--device: rank {comm.Get_rank()}: {exc}"
     problems = [problem] if alone else comm.allgather(problem)
     first = next((p for p in problems if p), None)
     if first is not None:
         raise OptionError(first)
+    if device.type == "cuda":   # default-device allocations, NCCL's and Horovod's: its GPU
+        import torch
+        torch.cuda.set_device(device)
     return device
 
 

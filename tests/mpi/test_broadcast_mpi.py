@@ -1,5 +1,7 @@
 """ashl.broadcast_parameters without Horovod (a parameter-server strategy needs none): the
-same broadcast over mpi4py's world, every dtype of a state_dict."""
+same broadcast over mpi4py's world, every dtype of a state_dict. broadcast_optimizer_state
+the same way, and through host memory under a Horovod that cannot take the tensors (a GPU
+model's, a Horovod without GPU operations: forced here on CPU tensors)."""
 import pytest
 
 import _util
@@ -21,6 +23,34 @@ assert "horovod.torch" not in sys.modules
 print("same on", len(rows), "ranks")
 """
 
+OPTIMIZER_SCRIPT = """import sys, torch
+import ashl.torch as ashl
+from mpi4py import MPI
+comm = MPI.COMM_WORLD
+rank = comm.Get_rank()
+if sys.argv[1] == "horovod":
+    import horovod.torch as hvd
+    import ashl.strategies.runtime as runtime
+    hvd.init(comm=comm)
+    runtime.horovod_reduces_on = lambda hvd, device, strategy: False   # "no GPU operations"
+torch.manual_seed(rank)
+model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+opt = torch.optim.Adam(model.parameters(), lr=0.1 * (rank + 1), betas=(0.8, 0.9))
+if rank == 0:              # the root's state: two real steps; the others' is empty
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(5, 3)).square().sum().backward()
+        opt.step()
+ashl.broadcast_optimizer_state(opt, root_rank=0)
+state = [[v.reshape(-1).tolist() for _, v in sorted(s.items())] for s in opt.state.values()]
+rows = comm.allgather((state, opt.param_groups[0]["lr"], opt.param_groups[0]["betas"]))
+assert all(r == rows[0] for r in rows), rows
+assert rows[0][1] == 0.1 and rows[0][2] == (0.8, 0.9)
+assert all(int(s["step"]) == 2 for s in opt.state.values())
+assert ("horovod.torch" in sys.modules) == (sys.argv[1] == "horovod")
+print("same state on", len(rows), "ranks")
+"""
+
 pytestmark = [pytest.mark.mpi,
               pytest.mark.skipif(_util.skip_reason() is not None, reason=_util.skip_reason() or "")]
 
@@ -30,3 +60,11 @@ def test_the_mpi_broadcast_gives_every_rank_rank_0s_state(tmp_path):
     script.write_text(SCRIPT)
     proc = _util.mpirun(3, script, timeout=60)
     assert "same on 3 ranks" in proc.stdout
+
+
+@pytest.mark.parametrize("horovod", ["none", "horovod"])
+def test_optimizer_state_reaches_every_rank_through_host_memory(tmp_path, horovod):
+    script = tmp_path / "bcast_opt.py"
+    script.write_text(OPTIMIZER_SCRIPT)
+    proc = _util.mpirun(2, script, horovod, timeout=90)
+    assert "same state on 2 ranks" in proc.stdout

@@ -136,10 +136,11 @@ def test_one_ranks_horovod_shutdown_leaves_mpi_to_every_rank(tmp_path):
 
 
 # The control rank is slow to leave (its ends' linger; a busy machine): the others must wait
-# for it. When Horovod initialised MPI (before ashl.torch started it through mpi4py), the
-# first rank to shut Horovod down finalised MPI on every rank; the control rank then freed a
-# communicator of a finalised MPI and segfaulted (async-localsgd, 1 CI run in 40). Now the
-# run's last barrier and mpi4py's ownership both keep that from happening.
+# for it. The converted script imports ashl.torch before hvd.init(), so mpi4py owns MPI
+# (above). A script that calls hvd.init() first leaves MPI to Horovod: the first rank to shut
+# Horovod down finalises MPI on every rank, and a control rank still freeing a communicator
+# then segfaulted (async-localsgd, 1 CI run in 40); the run's last barrier keeps every rank
+# off MPI from then on ("horovod-first").
 SLOW_TO_LEAVE = """import time
 from ashl.coordinator import MPICoordinator
 _close = MPICoordinator.close
@@ -155,10 +156,28 @@ MPICoordinator.close = _slow_close
 """
 
 
-@pytest.mark.parametrize("strategy", ["async-localsgd", "ashl-sync"])
-def test_the_job_exits_cleanly_when_a_rank_is_slow_to_leave(strategy, tmp_path):
+def horovod_first(text: str) -> str:
+    """The converted script with ashl.torch imported after hvd.init(): Horovod owns MPI."""
+    edits = [("import horovod.torch as hvd, ashl.torch as ashl\n",
+              "import sys\nimport horovod.torch as hvd\n"),
+             ("    hvd.init()\n",
+              "    assert 'mpi4py.MPI' not in sys.modules   # hvd.init() starts MPI\n"
+              "    hvd.init()\n"
+              "    import ashl.torch as ashl\n")]
+    for old, new in edits:
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    return text
+
+
+@pytest.mark.parametrize("strategy,owner", [
+    ("async-localsgd", "mpi4py"), ("ashl-sync", "mpi4py"), ("async-localsgd", "horovod-first")])
+def test_the_job_exits_cleanly_when_a_rank_is_slow_to_leave(strategy, owner, tmp_path):
     text = SCRIPT.read_text().replace("import argparse\n", f"import argparse\n{SLOW_TO_LEAVE}")
-    proc = _util.mpirun(3, converted(tmp_path, text, strategy), "--epochs", "2",
+    script = converted(tmp_path, text, strategy)
+    if owner == "horovod-first":
+        script.write_text(horovod_first(script.read_text()))
+    proc = _util.mpirun(3, script, "--epochs", "2",
                         "--result", tmp_path / "r.txt", timeout=150, env=GPU_LIKE)
     assert "Segmentation fault" not in proc.stdout + proc.stderr
     assert len(_TEST_LINE.findall(proc.stdout)) == 2

@@ -309,6 +309,10 @@ def test_every_strategy_family_trains_with_its_exchanges_staged(tmp_path, strate
         assert staging["bytes_to_host"] > 0
     if strategy == "bsp":
         assert not s["per_rank"][0]["counters"]["horovod_optimizer"]   # ashl's own average
+        for rank in s["per_rank"]:   # one trip each way per step's backward, and the final's
+            staging = rank["counters"]["staging"]
+            assert staging["to_host"] == staging["to_device"] == \
+                rank["counters"]["local_steps"] + 1, rank["counters"]
     if extra:
         assert s["per_rank"][0]["counters"]["global_model_on"] == "device"
 

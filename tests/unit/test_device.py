@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, strategies as st
 
 from ashl.device import (LOCAL_RANK_VARS, check_device_spec, local_rank, model_device,
-                         resolve_device)
+                         pick_device, resolve_device)
 
 
 @given(count=st.integers(1, 16), rank=st.integers(0, 255))
@@ -40,10 +40,31 @@ def test_spellings_are_normalised():
 
 def test_the_local_rank_comes_from_the_first_launcher_variable_set():
     assert local_rank({}) == 0
-    assert local_rank({"SLURM_LOCALID": "3"}) == 3
-    assert local_rank({"OMPI_COMM_WORLD_LOCAL_RANK": "1", "SLURM_LOCALID": "3"}) == 1
+    assert local_rank({"SLURM_LOCALID": "3"}) == 3                  # srun's ranks
     assert local_rank({"OMPI_COMM_WORLD_LOCAL_RANK": "x", "LOCAL_RANK": "2"}) == 2
+    assert local_rank({"MPI_LOCALRANKID": "1", "HOROVOD_LOCAL_RANK": "2"}) == 1
     assert LOCAL_RANK_VARS[0] == "OMPI_COMM_WORLD_LOCAL_RANK"
+
+
+@given(launcher=st.sampled_from(LOCAL_RANK_VARS[:-1]), rank=st.integers(0, 63),
+       step=st.integers(0, 63))
+def test_a_launcher_inside_a_slurm_allocation_outranks_the_batch_steps_local_id(
+        launcher, rank, step):
+    """mpirun (or mpiexec, horovodrun, torchrun) in an sbatch script: every rank inherits
+    the batch step's SLURM_LOCALID; the launcher's own variable is the rank's."""
+    assert local_rank({"SLURM_LOCALID": str(step), launcher: str(rank)}) == rank
+
+
+def test_with_a_communicator_the_local_rank_is_mpis(monkeypatch):
+    import ashl.device as device
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(device, "host_rank", lambda comm: {"world": 3}[comm])
+    for name in LOCAL_RANK_VARS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "1")
+    assert pick_device("auto") == torch.device("cuda:1")
+    assert pick_device("auto", comm="world") == torch.device("cuda:3")
 
 
 def test_a_model_lives_on_one_device():

@@ -874,6 +874,21 @@ def test_an_earlier_jobs_statuses_are_cleared(tmp_path, monkeypatch):
     assert run.read_statuses(str(tmp_path)) == {} and (tmp_path / "notes.txt").exists()
 
 
+def test_the_wrapper_reads_statuses_without_starting_mpi():
+    """python -m ashl.run runs outside the job; importing ashl.torch (where the ranks' exit
+    code lives) starts MPI, so the wrapper's status rules must not need it."""
+    import sys
+    code = ("import json, sys, ashl.run as run; status, _ = run.job_status(0, {0: {'rank': 0, "
+            "'size': 2, 'status': 0, 'lost': []}}); "
+            "print(json.dumps([status, 'mpi4py.MPI' in sys.modules]))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == [LOST_RANKS_STATUS, False]    # rank 1 left no status
+    from ashl.torch import exit as exit_hook
+    assert exit_hook.LOST_RANKS_STATUS is run.LOST_RANKS_STATUS == 3
+
+
 def test_a_launcher_left_waiting_after_the_run_settled_is_ended(tmp_path, monkeypatch):
     """mpirun waiting for ever for a cut-off host's daemon: ashl.run ends it after --grace."""
     import sys

@@ -1,6 +1,9 @@
 """A CUDA model's path to the wire (ashl.staging), run on CPU tensors: the buffers, the
 copies and what the strategies do with them (ASHL_STAGE_WIRE=1 stages a CPU model as a CUDA
 one is staged). Mixed precision: a step GradScaler skips is not a local step."""
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -11,6 +14,9 @@ from ashl.stages import StageConfig
 from ashl.staging import STAGE_ENV, WireStaging
 
 from fake_world import FakeWorld
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "mpi"))
+from staged_bsp_amp import train_with_scaler  # noqa: E402  (the mpirun test's loop)
 
 
 def test_a_cpu_model_is_not_staged_unless_asked(monkeypatch):
@@ -122,11 +128,15 @@ def test_a_staged_allreduce_ends_with_the_unstaged_runs_model(strategy, config, 
         assert counters["staging"]["to_device"] == rounds + 1
 
 
-def test_staged_bsp_averages_every_gradient_and_follows_horovods_amp_recipe(monkeypatch):
-    """Horovod's GradScaler recipe (synchronize, unscale_, step under skip_synchronize): after
-    each step every rank holds the same model (their data differ); an inf gradient on one
-    rank makes every rank skip that step, and a skipped step is not a local step. (Parameters:
-    BSP does not average BatchNorm's statistics.)"""
+@pytest.mark.parametrize("recipe", ["horovod", "plain"])
+def test_staged_bsp_averages_before_gradscalers_inf_check(recipe, monkeypatch):
+    """Horovod's GradScaler recipe (synchronize, unscale_, step under skip_synchronize) and
+    a plain scaler.step(opt): the gradients are averaged as backward ends, so the scaler's
+    inf check reads the same gradients on every rank. After each step every rank holds the
+    same model (their data differ); rank 1's own gradient overflowing on one step makes
+    every rank skip it (rank 1 skipping alone would leave rank 0 in an allreduce it never
+    joins), and a skipped step is not a local step. (Parameters: BSP does not average
+    BatchNorm's statistics.)"""
     monkeypatch.setenv(STAGE_ENV, "1")
     ranks = [model_and_data(r) for r in range(2)]   # (torch.manual_seed is per process)
 
@@ -135,34 +145,58 @@ def test_staged_bsp_averages_every_gradient_and_follows_horovods_amp_recipe(monk
         opt = ashl.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                         model=model, strategy="bsp", comm=comm, hvd=hvd,
                                         stage_config=StageConfig(max_commits=2 * 4))
-        scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
-        after, step = [], 0
-        while not opt.finished:
-            i = (step * 8) % 64
-            opt.zero_grad()
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = torch.nn.functional.cross_entropy(model(x[i:i + 8]), y[i:i + 8])
-            scaler.scale(loss).backward()
-            if step == 1 and comm.Get_rank() == 1:
-                model[0].weight.grad[0, 0] = float("inf")
-            opt.synchronize()
-            scaler.unscale_(opt)
-            with opt.skip_synchronize():
-                scaler.step(opt)
-            scaler.update()
-            after.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
-            step += 1
+        after, scales = train_with_scaler(opt, model, x, y, recipe,
+                                          overflow_on_step_1=comm.Get_rank() == 1)
         opt.finish()
-        return after, opt.counters()
+        return after, scales, opt.counters()
 
-    results = FakeWorld(2).run(rank_fn)
-    (a0, c0), (a1, c1) = results
+    (a0, s0, c0), (a1, s1, c1) = FakeWorld(2).run(rank_fn)
     assert len(a0) == len(a1) == 5           # 4 counted steps and the skipped one
     for m0, m1 in zip(a0, a1):
         assert torch.equal(m0, m1)
     assert torch.equal(a0[0], a0[1])          # the skipped step left the model alone
+    assert s0 == s1 and s0[1] == s0[0] / 2    # both scalers saw the inf
     assert c0["local_steps"] == c1["local_steps"] == 4
-    assert c0["staging"]["staged"] and c0["staging"]["to_host"] >= 4
+    for c in (c0, c1):
+        # one trip each way per backward (the skipped step's too), and the final model's
+        assert c["staging"]["staged"] and not c["horovod_optimizer"]
+        assert c["staging"]["to_host"] == c["staging"]["to_device"] == 5 + 1
+
+
+def test_staged_bsp_averages_once_per_step_and_zeros_a_gradient_backward_did_not_reach(
+        monkeypatch):
+    """backward_passes_per_step=2: one average after the second pass. A layer only rank 0's
+    backward reaches has zeros on rank 1, as in Horovod, so both ranks send the same
+    tensors and end with the same model."""
+    monkeypatch.setenv(STAGE_ENV, "1")
+    ranks = [model_and_data(r) for r in range(2)]
+    heads = [torch.nn.Linear(3, 3) for _ in range(2)]
+    heads[1].load_state_dict(heads[0].state_dict())
+
+    def rank_fn(comm, hvd):
+        (model, x, y), head = ranks[comm.Get_rank()], heads[comm.Get_rank()]
+        both = torch.nn.ModuleList([model, head])
+        opt = ashl.DistributedOptimizer(torch.optim.SGD(both.parameters(), lr=0.1),
+                                        model=both, strategy="bsp", comm=comm, hvd=hvd,
+                                        backward_passes_per_step=2,
+                                        stage_config=StageConfig(max_commits=2 * 3))
+        step = 0
+        while not opt.finished:
+            opt.zero_grad()
+            for half in (0, 4):
+                i = (step * 8 + half) % 64
+                out = model(x[i:i + 4])
+                if comm.Get_rank() == 0:
+                    out = head(out)
+                torch.nn.functional.cross_entropy(out, y[i:i + 4]).backward()
+            opt.step()
+            step += 1
+        opt.finish()
+        return flat_state(both), opt.counters()
+
+    (m0, c0), (m1, c1) = FakeWorld(2).run(rank_fn)
+    assert torch.equal(m0, m1) and c0["local_steps"] == 3
+    assert c0["staging"]["to_host"] == c0["staging"]["to_device"] == 3 + 1
 
 
 def test_a_step_gradscaler_skips_is_not_a_local_step():

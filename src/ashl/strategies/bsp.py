@@ -31,11 +31,17 @@ every step waits for the slowest rank's compute plus transfer, as on a real slow
 the first step differs.
 
 A CUDA model under a Horovod built without GPU operations (no NCCL): Horovod's hooks
-cannot take device gradients, so the wrapped optimizer is ashl's own: at ``step()`` (or
-``synchronize()``) every gradient is gathered into one flat device buffer per dtype, copied
-once to pinned host memory, averaged by one ``hvd.allreduce_``, copied back and scattered
-into the gradients (staging.py); then the user's step. Same average, one collective a step
-instead of one per tensor, none of it overlapped with backward. Said once in the log.
+cannot take device gradients, so the wrapped optimizer is ashl's own. As the step's last
+backward pass ends (``backward_passes_per_step``; post-accumulate-grad hooks queue one
+autograd callback per pass) every gradient is gathered into one flat device buffer per
+dtype, copied once to pinned host memory, averaged by one ``hvd.allreduce_``, copied back
+and scattered into the gradients (staging.py). As with Horovod's hooks, GradScaler's inf
+check (in ``scaler.step`` or ``unscale_``) then reads the same gradients on every rank, so
+all ranks step or all skip; averaged in step(), a rank whose own gradients overflowed
+would skip its allreduce and leave the others in theirs. ``synchronize()`` and ``step()``
+average only what backward left unaveraged (a step of fewer passes). A gradient this
+rank's backward did not reach is zeros, as in Horovod. One collective a step instead of one
+per tensor, none of it overlapped with backward. Said once in the log.
 
 ``opt.stage`` reads "TRAIN" while training and "DONE" at the end.
 """
@@ -63,6 +69,7 @@ class BspStrategy(Strategy):
     name = "bsp"
     single_stage = True
     accepts_compression = ("none", "fp16")   # Horovod's own, on the gradients
+    backward_passes_per_step = 1            # DistributedOptimizer's, set after construction
 
     def __init__(self, model, params, *, sampler=None, comm=None,
                  stage_config: Optional[StageConfig] = None, evaluate=None,
@@ -87,6 +94,11 @@ class BspStrategy(Strategy):
         self.t0 = time.monotonic()
         self._t_before = 0.0
         self._wall_before = time.time()
+        self._passes = 0              # backward passes since the gradients were averaged
+        self._averaged = False        # the gradients hold the average of this step's passes
+        self._awaited = None          # the backward pass whose end is awaited
+        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready)
+                       for p in params if p.requires_grad] if self.staged_gradients else []
 
     def machine(self) -> StageMachine:
         return self._machine
@@ -97,9 +109,37 @@ class BspStrategy(Strategy):
         return self.staging.staged
 
     def average_gradients(self) -> None:
-        """Staged BSP: every parameter's gradient replaced by its average over the ranks, in
-        one allreduce per gradient dtype (module docstring)."""
-        grads = [p.grad for p in self.optimizer_params() if p.grad is not None]
+        """Staged BSP, synchronize() or step(): the gradients averaged, unless the end of
+        the step's backward passes averaged them already."""
+        if not self._averaged:
+            self._average()
+
+    def _grad_ready(self, param) -> None:
+        """A gradient was accumulated (autograd's hook): average them all when this backward
+        pass ends (module docstring)."""
+        self._averaged = False
+        task = torch._C._current_graph_task_id()   # once per pass (one a failed pass left)
+        if task != self._awaited:
+            self._awaited = task
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+
+    def _backward_done(self) -> None:
+        # Not after the run's end (the loop may go on, with no one to average with), nor
+        # for a DistributedOptimizer that failed after building this strategy.
+        self._passes += 1
+        if (self._passes >= self.backward_passes_per_step and not self.finished
+                and self.optimizer is not None):
+            self._average()
+
+    def _average(self) -> None:
+        """Every parameter's gradient replaced by its average over the ranks, in one
+        allreduce per gradient dtype (module docstring)."""
+        self._passes, self._averaged = 0, True
+        params = [p for p in self.optimizer_params() if p.requires_grad]
+        for p in params:
+            if p.grad is None:    # the same tensors on every rank: zeros, as Horovod's
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in params]
         by_dtype: dict = {}
         for g in grads:
             by_dtype.setdefault(g.dtype, []).append(g)
@@ -189,6 +229,10 @@ class BspStrategy(Strategy):
         self.hvd.broadcast_(flat, root_rank=0, name=_FINAL_NAME)
         kernels.unpack_assign(self.tensors, [torch.zeros_like(t) for t in self.tensors],
                               self.staging.to_device(flat, "final"))
+
+    def _close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
 
     def counters(self) -> dict:
         c = super().counters()

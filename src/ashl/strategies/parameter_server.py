@@ -321,7 +321,8 @@ class ServerStrategy(Strategy):
 
     def _start_server(self, model: torch.Tensor) -> None:
         # The global model: in host memory, where the commits arrive (the default), or on
-        # this rank's model device, each commit copied there (docs/DESIGN.md).
+        # this rank's model device, each commit copied there (docs/DESIGN.md); the server
+        # thread's stream follows this thread's at start(), and this one its at join().
         on_device = self.global_model_on == "device"
         model = model.to(self.device if on_device else "cpu")
         # delayed-nesterov's n defaults to one round: one commit of every rank
@@ -477,7 +478,7 @@ class ServerStrategy(Strategy):
         if self.client.inflight is not None and not self.dropped:
             self._land(wait=True)   # its reply must not be taken for the final model
         if self.server is not None:
-            self.server.join()
+            self.server.join()      # and this thread's stream waits for the server's merges
             if self._evaluated_model is not None:   # the server's model is that one too
                 self.server.server.model.copy_(self._evaluated_model)
             final.copy_(self.server.server.model)
@@ -526,9 +527,10 @@ class ServerStrategy(Strategy):
                     # the run ended on the server before this rank heard (its epoch's end
                     # raced the last commits): record the stage it ended in, to resume there
                     stage = self.mc.coordinator.machine.transitions[-1].from_stage
+                # in host memory, copied after the merges queued on a device model
+                model, outer = self.server.server.snapshot()
                 run = {"format": checkpoint.FORMAT, "strategy": self.name, "size": self.size,
-                       "numel": self.numel, "global_model": self.server.server.model.clone(),
-                       "outer": self.server.server.outer.state_dict(),
+                       "numel": self.numel, "global_model": model, "outer": outer,
                        "version": self.server.server.version,
                        "plan": self.mc.coordinator.plan.to_dict(),
                        "stage": stage.value,

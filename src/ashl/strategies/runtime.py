@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 import os
 
-__all__ = ["mpi_world", "world_comm", "horovod", "horovod_reduces_on", "horovod_staging"]
+__all__ = ["mpi_world", "world_comm", "horovod", "horovod_gpu_operations", "horovod_reduces_on",
+           "horovod_staging"]
 
 log = logging.getLogger("ashl")
 _said_staged: set = set()
@@ -51,14 +52,24 @@ def horovod(strategy: str, comm=None):
     return hvd
 
 
+# What a Horovod build says of its GPU support, most telling first: 0.28's build defines
+# CUDA (ROCm) only when some collective has a GPU operation (HOROVOD_GPU_OPERATIONS=NCCL or
+# MPI, a HOROVOD_GPU_<OP>); NCCL's version for a Horovod older than cuda_built().
+GPU_BUILT = ("cuda_built", "rocm_built", "nccl_built")
+
+
+def horovod_gpu_operations(hvd) -> bool:
+    """Was this Horovod built with GPU operations (NCCL, CUDA-aware MPI or DDL)? Without
+    them its torch ops copy a CUDA tensor to host memory themselves, with no ready event
+    (nothing waits for that copy): ashl stages such tensors instead."""
+    return any(bool(getattr(hvd, name)()) for name in GPU_BUILT if hasattr(hvd, name))
+
+
 def horovod_reduces_on(hvd, device, strategy: str) -> bool:
     """Can Horovod's collectives take tensors on `device` as they are? The CPU always; a
-    CUDA device only when Horovod was built with NCCL (HOROVOD_GPU_OPERATIONS=NCCL). When
-    not, the strategy stages through pinned host memory, and says so once in the log."""
-    if device.type == "cpu":
-        return True
-    nccl = getattr(hvd, "nccl_built", None)
-    if nccl is not None and nccl():
+    CUDA device only when Horovod was built with GPU operations. When not, the strategy
+    stages through pinned host memory, and says so once in the log."""
+    if device.type == "cpu" or horovod_gpu_operations(hvd):
         return True
     if strategy not in _said_staged:
         _said_staged.add(strategy)

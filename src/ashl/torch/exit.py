@@ -32,10 +32,10 @@ import sys
 import threading
 import traceback
 
+from ..run import LOST_RANKS_STATUS, write_status
+
 __all__ = ["leave_at_exit", "LOST_RANKS_STATUS", "exit_without_finalize", "end_failed_start",
            "start_watchdog"]
-
-LOST_RANKS_STATUS = 3         # a fault-tolerant run ended, but without some of its ranks
 
 _optimizers: list = []
 _failure: list = []           # the uncaught exception that is ending the interpreter, if any
@@ -152,7 +152,6 @@ def start_watchdog(rank: int, size: int, timeout_s: float) -> threading.Timer:
     waiting for ever: after `timeout_s` the job ends (MPI_Abort), this rank's failure left
     for ashl.run first. Returns the running timer (cancel() it when the start-up is done)."""
     def expire():
-        from ..run import write_status
         write_status(rank, size, 1, [])
         print(f"ashl: rank {rank}: the start-up (up to profiling and the plan) did not finish "
               f"in {timeout_s:g} s: a rank was lost before training began; ending the job",
@@ -171,7 +170,6 @@ def exit_without_finalize(status: int, strategy=None, lost=()) -> None:
     can hang once a peer has died) or the exit handlers registered before ashl's; the status
     is also left for ``python -m ashl.run`` (ashl.run.write_status)."""
     if strategy is not None:
-        from ..run import write_status
         write_status(strategy.rank, strategy.size, status, list(lost))
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
