@@ -70,7 +70,10 @@ PYBIND11_MODULE(_C, m) {
   }, nogil);
   cpu.def("unpack_assign", &ashl::cpu::unpack_assign, nogil);
   cpu.def("unpack_add", &ashl::cpu::unpack_add, nogil);
-  cpu.def("merge_dense", &ashl::cpu::merge_dense, nogil);
+  cpu.def("merge_dense", [](const TensorList& dst, const TensorList& delta, float w,
+                            const TensorList* out) {
+    return ashl::cpu::merge_dense(dst, delta, w, out);
+  }, nogil);
   cpu.def("merge_sparse", [](const Flat& dst, uintptr_t idx, int idx_dtype, uintptr_t val,
                              int val_dtype, int64_t nnz, float w) {
     return ashl::cpu::merge_sparse(dst, as_ptr(idx), as_dtype(idx_dtype), as_ptr(val),
@@ -101,8 +104,8 @@ PYBIND11_MODULE(_C, m) {
     ashl::cuda::unpack_add(p, a, off, flat, make_ctx(stream, scratch));
   }, nogil);
   cuda.def("merge_dense", [](const TensorList& dst, const TensorList& delta, float w,
-                             uintptr_t stream, uintptr_t scratch) {
-    return ashl::cuda::merge_dense(dst, delta, w, make_ctx(stream, scratch));
+                             const TensorList* out, uintptr_t stream, uintptr_t scratch) {
+    return ashl::cuda::merge_dense(dst, delta, w, out, make_ctx(stream, scratch));
   }, nogil);
   cuda.def("merge_sparse", [](const Flat& dst, uintptr_t idx, int idx_dtype, uintptr_t val,
                               int val_dtype, int64_t nnz, float w, uintptr_t stream,

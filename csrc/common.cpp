@@ -125,11 +125,20 @@ void check_unpack(const TensorList& params, const TensorList& anchors,
   require_float(flat.dtype, "flat");
 }
 
-void check_merge_dense(const TensorList& dst, const TensorList& delta, float weight) {
+void check_merge_dense(const TensorList& dst, const TensorList& delta, float weight,
+                       const TensorList* out) {
   check_same_shape(dst, delta, "dst", "delta");
   require_finite_weight(weight, "weight");
   require_float(dst.dtype, "dst");
   require_float(delta.dtype, "delta");
+  if (out == nullptr) return;
+  check_same_shape(dst, *out, "dst", "out");
+  require_same_dtype(dst, *out, "dst", "out");
+  // out is written before every delta element is checked: it must not be dst
+  for (size_t i = 0; i < dst.ptrs.size(); ++i)
+    if (dst.numels[i] > 0 && out->ptrs[i] == dst.ptrs[i])
+      throw std::invalid_argument("out[" + std::to_string(i) + "] is dst[" +
+                                  std::to_string(i) + "]: merge in place without out");
 }
 
 void check_merge_sparse(const Flat& dst, const void* indices, DType index_dtype,

@@ -25,6 +25,9 @@ constexpr int64_t kHalfBlock = 1024;
 // Outputs at least this large are written with streaming stores (they cannot
 // stay in a cache of a few tens of MiB anyway).
 constexpr int64_t kStreamBytes = int64_t(16) << 20;
+// merge_dense with `out`: delta checked and merged a block at a time (16 KiB of
+// fp32 delta, L1-resident between the two).
+constexpr int64_t kMergeBlock = 4096;
 // Below this many elements in total, threads cost more than they save.
 constexpr int64_t kParallelThreshold = 1 << 16;
 
@@ -357,12 +360,52 @@ void unpack_add(const TensorList& params, const TensorList& anchors,
   unpack<true>(params, anchors, offsets, flat);
 }
 
-bool merge_dense(const TensorList& dst, const TensorList& delta, float weight) {
-  check_merge_dense(dst, delta, weight);
+namespace {
+// out = dst + w * delta, each thread over its range in blocks: a block of delta is
+// checked, then merged while it is still in L1, so every operand crosses memory once
+// (12 bytes an element with out streamed, against 16 for a check pass and an in-place
+// merge pass). A thread that meets a non-finite delta stops there: out is then
+// garbage, and dst was never written.
+template <class D, class X>
+bool merge_dense_out(const TensorList& dst, const TensorList& delta, const TensorList& out,
+                     float weight) {
+  const auto o = std::array{list<D>(out, streams(dst.numels, dst.dtype))};
+  const auto d = list<D>(dst);
+  const auto x = list<X>(delta);
+  const ops::AddScaled op{weight};
+  const int64_t n = total(dst.numels);
+  int bad = 0;
+#pragma omp parallel reduction(| : bad) if (n >= kParallelThreshold)
+  {
+    const auto [lo, hi] = thread_range(n);
+    for_range(dst.numels, lo, hi, [&](int32_t t, int64_t b, int64_t e) {
+      const X* xt = x.at(t);
+      for (int64_t bb = b; bb < e && !bad; bb += kMergeBlock) {
+        const int64_t be = std::min(e, bb + kMergeBlock);
+        int local = 0;
+#pragma omp simd reduction(| : local)
+        for (int64_t j = bb; j < be; ++j) local |= nonfinite(xt, j);
+        bad |= local;
+        if (!local) map_chunk(op, o, t, bb, be, d.at(t), xt);
+      }
+    });
+    if (o[0].stream) stream_fence();
+  }
+  return bad == 0;
+}
+}  // namespace
+
+bool merge_dense(const TensorList& dst, const TensorList& delta, float weight,
+                 const TensorList* out) {
+  check_merge_dense(dst, delta, weight, out);
   bool ok = true;
   dispatch_float<HostStorage>(dst.dtype, "dst", delta.dtype, "delta", [&](auto dt, auto xt) {
     using D = typename decltype(dt)::type;
     using X = typename decltype(xt)::type;
+    if (out) {
+      ok = merge_dense_out<D, X>(dst, delta, *out, weight);
+      return;
+    }
     // Check everything before writing anything: a poisoned delta must not
     // touch the global model, not even partly.
     if (any_nonfinite<X>(delta)) { ok = false; return; }

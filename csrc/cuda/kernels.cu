@@ -304,16 +304,19 @@ void unpack_add(const TensorList& params, const TensorList& anchors,
   unpack<AddOp>(params, anchors, offsets, flat, ctx, "unpack_add");
 }
 
-bool merge_dense(const TensorList& dst, const TensorList& delta, float weight, CudaContext ctx) {
-  check_merge_dense(dst, delta, weight);
-  Work<2> w(dst.numels);
-  w.set(0, dst);
-  w.set(1, delta);
+bool merge_dense(const TensorList& dst, const TensorList& delta, float weight,
+                 const TensorList* out, CudaContext ctx) {
+  check_merge_dense(dst, delta, weight, out);
+  Work<3> w(dst.numels);
+  w.set(0, out ? *out : dst);
+  w.set(1, dst);
+  w.set(2, delta);
   if (w.total() == 0) return true;
   int32_t* flag = require_scratch(ctx, "merge_dense");
   const cudaStream_t s = stream_of(ctx);
   // Check everything before writing anything; the merge kernel reads the flag
-  // on the device, so there is one host sync, at the end.
+  // on the device, so there is one host sync, at the end. (With `out` the merge
+  // could run unchecked, but one form for both keeps the guard in one place.)
   zero_async(flag, sizeof(int32_t), s);
   dispatch_float<DeviceStorage>(dst.dtype, "dst", delta.dtype, "delta", [&](auto dt, auto xt) {
     using D = typename decltype(dt)::type;
@@ -321,7 +324,7 @@ bool merge_dense(const TensorList& dst, const TensorList& delta, float weight, C
     Work<1> wc(delta.numels);
     wc.set(0, delta);
     multi_tensor_apply(wc, FiniteCheckOp<X>{flag}, s, "merge_dense check");
-    using Op = Map<ops::AddScaled, Out<D, 0>, In<0, D>, In<1, X>>;
+    using Op = Map<ops::AddScaled, Out<D, 0>, In<1, D>, In<2, X>>;
     multi_tensor_apply(w, Op{{weight}, flag}, s, "merge_dense");
   });
   int32_t h = 0;

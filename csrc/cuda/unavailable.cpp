@@ -19,7 +19,9 @@ void unpack_assign(const TensorList&, const TensorList&, const std::vector<int64
                    CudaContext) { unavailable(); }
 void unpack_add(const TensorList&, const TensorList&, const std::vector<int64_t>&, Flat,
                 CudaContext) { unavailable(); }
-bool merge_dense(const TensorList&, const TensorList&, float, CudaContext) { unavailable(); }
+bool merge_dense(const TensorList&, const TensorList&, float, const TensorList*, CudaContext) {
+  unavailable();
+}
 bool merge_sparse(Flat, const void*, DType, const void*, DType, int64_t, float, CudaContext) {
   unavailable();
 }

@@ -83,14 +83,19 @@ class Payload:
             out.view(-1).copy_(self.values)
         return out
 
-    def merge_into(self, dst: torch.Tensor, weight: float) -> bool:
+    def merge_into(self, dst: torch.Tensor, weight: float,
+                   out: torch.Tensor | None = None) -> bool:
         """``dst += weight * delta`` with the fused kernels; False (and nothing written) if the
-        delta holds NaN/Inf. A sparse index outside dst raises IndexError."""
+        delta holds NaN/Inf. A sparse index outside dst raises IndexError. With ``out`` (dense
+        only): ``out = dst + weight * delta`` in one pass, dst only read."""
         if dst.numel() != self.numel:
             raise ValueError(f"dst has {dst.numel()} elements, the payload describes {self.numel}")
         if self.sparse:
+            if out is not None:
+                raise ValueError("a sparse delta merges in place (out is for dense ones)")
             return kernels.merge_sparse(dst, self.indices, self.values, weight)
-        return kernels.merge_dense(dst.view(-1), self.values, weight)
+        return kernels.merge_dense(dst.view(-1), self.values, weight,
+                                   out=None if out is None else out.view(-1))
 
     def split(self, at: int) -> tuple["Payload", "Payload"]:
         """(elements [0, at), elements [at, numel) renumbered from 0): views of a dense payload;
@@ -152,10 +157,11 @@ class Residual:
                 raise ValueError(f"params[{i}] is {p.dtype}; error feedback needs fp32 parameters")
         device = params[0].device if params else torch.device("cpu")
         self.flat = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32, device=device)
-        self.views, off = [], 0
+        views, off = [], 0
         for p in params:
-            self.views.append(self.flat[off:off + p.numel()].view(p.shape))
+            views.append(self.flat[off:off + p.numel()].view(p.shape))
             off += p.numel()
+        self.views = kernels.FlatTensors(views, self.flat)
 
     def zero_(self) -> "Residual":
         self.flat.zero_()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+import threading
 from typing import Sequence, Union
 
 import torch
@@ -27,7 +28,7 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 __all__ = [
     "pack_delta", "unpack_assign", "unpack_add", "merge_dense", "merge_sparse",
     "weighted_sum", "flat_numel", "flat_offsets", "cuda_available", "set_num_threads",
-    "num_threads",
+    "num_threads", "FlatTensors", "clone_tensors", "flat_forms",
     "cpu_isa",
     "set_cpu_isa",
     "supported_cpu_isas",
@@ -76,6 +77,76 @@ def flat_offsets(tensors: TensorOrList) -> list[int]:
 def _offsets(numels: list[int]) -> list[int]:
     """Each tensor's start in the flat layout."""
     return [0, *itertools.accumulate(numels)][:len(numels)]
+
+
+# --- tensors stored flat --------------------------------------------------------
+
+class FlatTensors(tuple):
+    """Tensors that are back-to-back views of one contiguous buffer, ``flat``, in order.
+
+    The kernels take such a list as the one tensor it covers: the flat layout is the same, and
+    a call costs what one tensor costs, however many the model has (checking and walking a
+    transformer's hundreds of small tensors was most of a commit's kernel time on one of 3.5M
+    elements). Made by ``FlatTensors.of`` (views found to be stored so) and ``clone`` only;
+    a tuple, so nothing can swap a view out of it."""
+
+    flat: torch.Tensor
+    numels: tuple   # each view's, so that two lists pair only when laid out alike
+
+    def __new__(cls, views, flat: torch.Tensor, numels: tuple | None = None):
+        self = super().__new__(cls, views)
+        self.flat = flat
+        self.numels = tuple(t.numel() for t in views) if numels is None else numels
+        return self
+
+    @classmethod
+    def of(cls, tensors: Sequence[torch.Tensor]) -> "FlatTensors | None":
+        """``tensors`` as FlatTensors if they are contiguous, of one dtype and device, and
+        laid back to back in one storage in list order; else None."""
+        tensors = list(tensors)
+        if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
+            return None
+        first = tensors[0]
+        storage = first.untyped_storage().data_ptr()
+        at = first.storage_offset()
+        for t in tensors:
+            if (t.dtype != first.dtype or t.device != first.device or not t.is_contiguous()
+                    or t.untyped_storage().data_ptr() != storage or t.storage_offset() != at):
+                return None
+            at += t.numel()
+        flat = first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(),
+                                       (at - first.storage_offset(),))
+        return cls(tensors, flat)
+
+    def clone(self) -> "FlatTensors":
+        """A copy in a new flat buffer, viewed the same way."""
+        flat = self.flat.clone()
+        return FlatTensors(_views(flat, self), flat, self.numels)
+
+
+def _views(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    out, off = [], 0
+    for t in like:
+        out.append(flat[off:off + t.numel()].view(t.shape))
+        off += t.numel()
+    return out
+
+
+def clone_tensors(tensors: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+    """Detached copies of ``tensors``, stored flat (FlatTensors) when they are."""
+    if isinstance(tensors, FlatTensors):
+        return tensors.clone()
+    return [t.detach().clone() for t in tensors]
+
+
+def flat_forms(*lists):
+    """The lists as the one-tensor lists of their flat buffers when every one given (None
+    aside) is FlatTensors laid out alike; else as they are (then checked tensor by tensor)."""
+    given = [x for x in lists if x is not None]
+    if given and all(isinstance(x, FlatTensors) and x.numels == given[0].numels
+                     for x in given):
+        return tuple(None if x is None else [x.flat] for x in lists)
+    return lists
 
 
 # --- validation ---------------------------------------------------------------
@@ -218,16 +289,22 @@ def _groups(*dtypes: list) -> dict:
     return groups
 
 
-_scratch: dict = {}
+# The CUDA kernels' 4 int32 flags, one buffer per thread and stream: the native call zeroes,
+# sets and reads them back in stream order, so a buffer shared with another thread (the
+# server's merges beside training) could be cleared between its check and merge kernels.
+_scratch = threading.local()
 
 
 def _cuda_args(device: torch.device) -> tuple[int, int]:
-    """(stream, scratch) for a CUDA call: the current stream and 4 zeroed int32 flags."""
-    scratch = _scratch.get(device)
+    """(stream, scratch) for a CUDA call: the current stream and this thread's flags for it."""
+    stream = torch.cuda.current_stream(device).cuda_stream
+    buffers = getattr(_scratch, "buffers", None)
+    if buffers is None:
+        buffers = _scratch.buffers = {}
+    scratch = buffers.get((device, stream))
     if scratch is None:
-        scratch = _scratch[device] = torch.zeros(4, dtype=torch.int32, device=device)
-    scratch.zero_()
-    return torch.cuda.current_stream(device).cuda_stream, scratch.data_ptr()
+        scratch = buffers[(device, stream)] = torch.zeros(4, dtype=torch.int32, device=device)
+    return stream, scratch.data_ptr()
 
 
 def _call(device: torch.device, op: str, *args):
@@ -247,6 +324,7 @@ def _call(device: torch.device, op: str, *args):
 def pack_delta(params: TensorOrList, anchors: TensorOrList, out: torch.Tensor,
                scale: float = 1.0, residuals: TensorOrList | None = None) -> torch.Tensor:
     """``out[flat] = scale * (p - a) + r`` for every tensor, in one pass."""
+    params, anchors, residuals = flat_forms(params, anchors, residuals)
     params, anchors = _as_list(params, "params"), _as_list(anchors, "anchors")
     res = None if residuals is None else _as_list(residuals, "residuals")
     device = _device_of(params, out, "params")
@@ -263,6 +341,7 @@ def pack_delta(params: TensorOrList, anchors: TensorOrList, out: torch.Tensor,
 
 
 def _unpack(op: str, params, anchors, flat) -> None:
+    params, anchors = flat_forms(params, anchors)
     params, anchors = _as_list(params, "params"), _as_list(anchors, "anchors")
     device = _device_of(params, flat, "params")
     p = _scan(params, "params", device)
@@ -284,12 +363,20 @@ def unpack_add(params: TensorOrList, anchors: TensorOrList, flat: torch.Tensor) 
     _unpack("unpack_add", params, anchors, flat)
 
 
-def merge_dense(dst: TensorOrList, delta: TensorOrList, weight: float) -> bool:
-    """``dst += weight * delta``; if ``delta`` holds any NaN/Inf, writes nothing, returns False."""
+def merge_dense(dst: TensorOrList, delta: TensorOrList, weight: float,
+                out: TensorOrList | None = None) -> bool:
+    """``dst += weight * delta``; if ``delta`` holds any NaN/Inf, writes nothing, returns False.
+
+    With ``out`` (tensors shaped and typed like ``dst``, none of them ``dst``'s own):
+    ``out = dst + weight * delta`` and ``dst`` is only read, in one pass over the operands
+    instead of a check pass and a merge pass; on False ``out`` holds garbage."""
+    dst, delta, out = flat_forms(dst, delta, out)
     dst, delta = _as_list(dst, "dst"), _as_list(delta, "delta")
     device = _device_of(dst, None, "dst")
     d = _scan(dst, "dst", device)
     e = _scan_like(d, delta, "delta", device, same_dtype=False)
+    o = None if out is None else _scan_like(d, _as_list(out, "out"), "out", device,
+                                            same_dtype=True)
     groups = _groups(d.dtypes, e.dtypes)
     if len(groups) > 1:
         # All-or-nothing across dtype groups: check every delta before merging any.
@@ -298,7 +385,7 @@ def merge_dense(dst: TensorOrList, delta: TensorOrList, weight: float) -> bool:
     ok = True
     for (dd, ed), idx in groups.items():
         ok = _call(device, "merge_dense", d.native(idx, dd), e.native(idx, ed),
-                   float(weight)) and ok
+                   float(weight), None if o is None else o.native(idx, dd)) and ok
     return ok
 
 
@@ -328,9 +415,13 @@ def merge_sparse(dst: torch.Tensor, indices: torch.Tensor, values: torch.Tensor,
 def weighted_sum(out: TensorOrList, inputs: Sequence[TensorOrList],
                  weights: Sequence[float]) -> TensorOrList:
     """``out = sum_k weights[k] * inputs[k]``; ``inputs`` is K tensors or K lists shaped like out."""
-    outs = _as_list(out, "out")
     if not isinstance(inputs, (list, tuple)):
         raise TypeError(f"inputs must be a list, got {type(inputs).__name__}")
+    flat_out, *flat_inputs = flat_forms(out, *inputs)
+    if flat_out is not out:   # every list stored flat: run on the buffers, return `out`
+        weighted_sum(flat_out, flat_inputs, weights)
+        return out
+    outs = _as_list(out, "out")
     ins = [_as_list(x, f"inputs[{k}]") for k, x in enumerate(inputs)]
     weights = [float(w) for w in weights]
     if len(weights) != len(ins):

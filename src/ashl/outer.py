@@ -88,12 +88,40 @@ class OuterOptimizer:
 
 
 class PlainMerge(OuterOptimizer):
-    """``W += u``: the merge without an outer optimizer."""
+    """``W += u``: the merge without an outer optimizer.
+
+    A dense update of a large host model is merged into a second buffer, which then becomes
+    the model's storage (``model.set_``: the caller's tensor holds the result, as after an
+    in-place merge). Guarded in place, every delta element must be read once to check it
+    before any is written, then again to merge: 16 bytes an element; into a second buffer
+    the check and the merge share one read, 12 bytes. The price is a second model's memory
+    on the server. On a GPU both ways take two passes, so it merges in place there."""
+
+    # Below this, model and delta stay in the cache between the two passes of the in-place
+    # merge, which then wins (docs/BENCHMARKS.md, "Kernels").
+    double_buffer_numel = 1 << 22
+
+    def __init__(self, spec: OuterSpec, numel: int, device="cpu",
+                 params_numel: Optional[int] = None):
+        super().__init__(spec, numel, device, params_numel)
+        self.spare: Optional[torch.Tensor] = None   # the second buffer, made on first use
 
     def step(self, model, update, weight) -> bool:
-        ok = update.merge_into(model, weight)
+        if update.sparse or not self._double_buffered(model):
+            ok = update.merge_into(model, weight)
+        else:
+            if self.spare is None or self.spare.shape != model.shape:
+                self.spare = torch.empty_like(model)
+            ok = update.merge_into(model, weight, out=self.spare)
+            if ok:
+                merged, self.spare = self.spare, model.detach()   # the old storage is spare
+                model.set_(merged)
         self.updates += ok
         return ok
+
+    def _double_buffered(self, model: torch.Tensor) -> bool:
+        return (model.device.type == "cpu" and model.numel() >= self.double_buffer_numel
+                and model.is_contiguous())
 
 
 class _WithMomentum(OuterOptimizer):

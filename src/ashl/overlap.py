@@ -27,14 +27,16 @@ __all__ = ["take_progress", "add_progress", "rebase"]
 def take_progress(params: Sequence[torch.Tensor], sent: Sequence[torch.Tensor]) -> None:
     """sent[i] <- params[i] - sent[i]: the copy taken at the send becomes the progress since."""
     with torch.no_grad():   # one multi-tensor op per half, not one per parameter
-        torch._foreach_sub_(list(sent), list(params))
-        torch._foreach_neg_(list(sent))
+        flat = kernels.flat_forms(params, sent)
+        torch._foreach_sub_(list(flat[1]), list(flat[0]))
+        torch._foreach_neg_(list(flat[1]))
 
 
 def add_progress(params: Sequence[torch.Tensor], progress: Sequence[torch.Tensor]) -> None:
     """params[i] += progress[i] (params hold W, just loaded from the reply)."""
     with torch.no_grad():
-        torch._foreach_add_(list(params), list(progress))
+        flat = kernels.flat_forms(params, progress)
+        torch._foreach_add_(list(flat[0]), list(flat[1]))
 
 
 def rebase(params: Sequence[torch.Tensor], anchors: Sequence[torch.Tensor],

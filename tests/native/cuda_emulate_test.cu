@@ -174,7 +174,7 @@ void test_merge_dense(bool misalign) {
   int32_t scratch[4] = {5, 5, 5, 5};
   CudaContext ctx{nullptr, scratch};
   std::vector<D> d0(dst.buf);
-  EXPECT(cuda::merge_dense(dst.list, del.list, 0.5f, ctx));
+  EXPECT(cuda::merge_dense(dst.list, del.list, 0.5f, nullptr, ctx));
   bool ok = true;
   for (size_t i = 0; i < kSizes.size(); ++i) {
     const int64_t shift = dst.at(i) - dst.buf.data();
@@ -188,7 +188,7 @@ void test_merge_dense(bool misalign) {
     X* victim = where == 0 ? del.at(1) : where == 1 ? del.at(9) + 199999 : del.at(5) + 65536;
     saved = *victim;
     *victim = from_f<X>(where == 1 ? INFINITY : NAN);
-    EXPECT(!cuda::merge_dense(dst.list, del.list, 0.5f, ctx));
+    EXPECT(!cuda::merge_dense(dst.list, del.list, 0.5f, nullptr, ctx));
     EXPECT(std::memcmp(d1.data(), dst.buf.data(), d1.size() * sizeof(D)) == 0);
     *victim = saved;
   }
@@ -325,9 +325,21 @@ void agree_merge_dense(bool misalign) {
   sprinkle(dst.buf, 0); sprinkle(del.buf, 2, true);
   Store<D> dst2 = twin(dst);
   int32_t scratch[4] = {};
-  EXPECT(cuda::merge_dense(dst.list, del.list, -0.3f, {nullptr, scratch}));
+  // out of place first (dst only read), on both back ends, then in place
+  Store<D> out = twin(dst), out2 = twin(dst);
+  EXPECT(cuda::merge_dense(dst.list, del.list, -0.3f, &out.list, {nullptr, scratch}));
+  EXPECT(cpu::merge_dense(dst2.list, del.list, -0.3f, &out2.list));
+  EXPECT(same_values(dst.buf, dst2.buf));
+  EXPECT(cuda::merge_dense(dst.list, del.list, -0.3f, nullptr, {nullptr, scratch}));
   EXPECT(cpu::merge_dense(dst2.list, del.list, -0.3f));
   EXPECT(same_values(dst.buf, dst2.buf));
+  EXPECT(same_values(out.buf, dst.buf) && same_values(out2.buf, dst.buf));
+  // a NaN: out's merge is refused and dst untouched
+  std::vector<D> before(dst.buf);
+  *del.at(7) = from_f<X>(NAN);
+  EXPECT(!cuda::merge_dense(dst.list, del.list, 1.f, &out.list, {nullptr, scratch}));
+  EXPECT(!cpu::merge_dense(dst.list, del.list, 1.f, &out2.list));
+  EXPECT(std::memcmp(before.data(), dst.buf.data(), before.size() * sizeof(D)) == 0);
 }
 
 template <class I, class V, class D>
@@ -456,14 +468,19 @@ int main() {
   expect_throw<std::invalid_argument>([&] { cuda::pack_delta(p.list, q.list, nullptr, off, Flat{flat.data(), DType::kInt64, fn}, 1.f, {}); }, "int flat");
   expect_throw<std::invalid_argument>([&] { cuda::pack_delta(p.list, q.list, nullptr, off, Flat{flat.data(), DType::kFloat32, fn - 3}, 1.f, {}); }, "flat too small");
   expect_throw<std::invalid_argument>([&] { cuda::pack_delta(p.list, q.list, nullptr, off, out, NAN, {}); }, "nan scale");
+  int32_t sc0[4] = {};
   TensorList h = q.list; h.dtype = DType::kFloat16;
   expect_throw<std::invalid_argument>([&] { cuda::pack_delta(p.list, h, nullptr, off, out, 1.f, {}); }, "mixed dtype");
-  expect_throw<std::invalid_argument>([&] { cuda::merge_dense(p.list, q.list, 1.f, {}); }, "null scratch");
+  expect_throw<std::invalid_argument>([&] { cuda::merge_dense(p.list, q.list, 1.f, nullptr, {}); }, "null scratch");
+  expect_throw<std::invalid_argument>([&] { cpu::merge_dense(p.list, q.list, 1.f, &p.list); }, "out is dst");
+  expect_throw<std::invalid_argument>([&] { cuda::merge_dense(p.list, q.list, 1.f, &p.list, {nullptr, sc0}); }, "cuda out is dst");
+  TensorList o2 = q.list; o2.numels[2] += 1;
+  expect_throw<std::invalid_argument>([&] { cpu::merge_dense(p.list, q.list, 1.f, &o2); }, "out shape");
   expect_throw<std::invalid_argument>([&] { cuda::weighted_sum(p.list, {q.list}, {1.f, 2.f}, {}); }, "weights size");
   TensorList q2 = q.list; q2.numels[3] += 1;
   expect_throw<std::invalid_argument>([&] { cuda::weighted_sum(p.list, {q2}, {1.f}, {}); }, "shape");
   TensorList q3 = q.list; q3.ptrs[4] = nullptr;
-  expect_throw<std::invalid_argument>([&] { cuda::merge_dense(p.list, q3, 1.f, {}); }, "null ptr");
+  expect_throw<std::invalid_argument>([&] { cuda::merge_dense(p.list, q3, 1.f, nullptr, {}); }, "null ptr");
   int64_t one = 1; int32_t sc[4];
   expect_throw<std::invalid_argument>([&] { cuda::merge_sparse(Flat{flat.data(), DType::kFloat32, fn}, &one, DType::kFloat32, flat.data(), DType::kFloat32, 1, 1.f, {nullptr, sc}); }, "float indices");
   expect_throw<std::invalid_argument>([&] { cuda::merge_sparse(Flat{flat.data(), DType::kFloat32, fn}, &one, DType::kInt64, flat.data(), DType::kFloat32, 1, 1.f, {}); }, "sparse null scratch");
@@ -473,11 +490,11 @@ int main() {
   cuda::pack_delta(empty, empty, &empty, {}, Flat{nullptr, DType::kFloat32, 0}, 1.f, {});
   cuda::unpack_assign(empty, empty, {}, Flat{nullptr, DType::kBFloat16, 0}, {});
   cuda::unpack_add(empty, empty, {}, Flat{nullptr, DType::kBFloat16, 0}, {});
-  EXPECT(cuda::merge_dense(empty, empty, 1.f, {}));
+  EXPECT(cuda::merge_dense(empty, empty, 1.f, nullptr, {}));
   EXPECT(cuda::merge_sparse(Flat{nullptr, DType::kFloat32, 0}, nullptr, DType::kInt32, nullptr, DType::kFloat32, 0, 1.f, {}));
   cuda::weighted_sum(empty, {}, {}, {});
   TensorList zeros; zeros.dtype = DType::kFloat32; zeros.ptrs = {nullptr, nullptr}; zeros.numels = {0, 0};
-  EXPECT(cuda::merge_dense(zeros, zeros, 1.f, {}));
+  EXPECT(cuda::merge_dense(zeros, zeros, 1.f, nullptr, {}));
   cuda::weighted_sum(zeros, {zeros, zeros}, {1.f, 2.f}, {});
   EXPECT(!cuda::available());
   std::printf("%s (%d failures)\n", failures ? "FAILED" : "ALL PASSED", failures);

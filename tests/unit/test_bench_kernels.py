@@ -43,15 +43,19 @@ def test_cli_help():
 
 
 @pytest.mark.timeout(120)
-def test_kernels_quick_json(tmp_path):
+@pytest.mark.parametrize("storage", ["flat", "separate"])
+def test_kernels_quick_json(tmp_path, storage):
+    """Every variant checked against ashl's result in the run itself (check_case), for a model
+    stored either way."""
     path = tmp_path / "out" / "kernels.json"
     env = dict(os.environ, OMP_NUM_THREADS="1")  # a smoke test: don't fight other jobs for cores
     r = subprocess.run([sys.executable, "-m", "ashl.bench", "kernels", "--quick", "--repeat", "1",
-                        "--warmup", "1", "--json", str(path)],
+                        "--warmup", "1", "--storage", storage, "--json", str(path)],
                        capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "x foreach" in r.stdout  # the table
+    assert "x foreach" in r.stdout and f"storage: {storage}" in r.stdout  # the table
     data = json.loads(path.read_text())
+    assert data["storage"] == storage
     assert data["bandwidth_gbps"] == max(data["bandwidth_before_gbps"], data["bandwidth_after_gbps"])
     assert data["reliable"] == (data["bandwidth_drift"] <= BANDWIDTH_DRIFT)
     assert ("UNRELIABLE" in r.stdout) == (not data["reliable"])

@@ -299,26 +299,41 @@ def test_pack_unpack_roundtrip(device):
 # merge_dense
 
 
-def check_merge_dense(device, shapes, ddt, edt, weight, seed, offset=0, single=False):
+def check_merge_dense(device, shapes, ddt, edt, weight, seed, offset=0, single=False,
+                      mode="in_place"):
+    """``mode="out"``: the merge into other tensors (misaligned otherwise than dst) leaves dst
+    as it was and gives the in-place merge's bits."""
     g = gen(seed)
     dst = [rand(s, d, device, g, offset) for s, d in zip(shapes, per_tensor(ddt, shapes))]
     delta = [rand(s, d, device, g, offset) for s, d in zip(shapes, per_tensor(edt, shapes))]
     d32, e32 = cat32(dst), cat32(delta)
     snaps = snapshot(delta)
+    out = None
+    if mode == "out":
+        out = [rand(s, t.dtype, device, g, (offset + 1) % 4) for s, t in zip(shapes, dst)]
+        dst_snaps = snapshot(dst)
     if single:
-        ok = K.merge_dense(dst[0], delta[0], weight)
+        ok = K.merge_dense(dst[0], delta[0], weight, out=None if out is None else out[0])
     else:
-        ok = K.merge_dense(dst, delta, weight)
+        ok = K.merge_dense(dst, delta, weight, out=out)
     assert ok is True
     if weight == 1.0:
         ref, mag = d32 + e32, None
     else:
         ref = d32 + e32 * weight
         mag = d32.double().abs() + abs(weight) * e32.double().abs()
-    assert_list_matches(dst, ref, mag, what="merge_dense dst")
     assert_unchanged(delta, snaps, "delta")
+    if out is None:
+        assert_list_matches(dst, ref, mag, what="merge_dense dst")
+        return
+    assert_list_matches(out, ref, mag, what="merge_dense out")
+    assert_unchanged(dst, dst_snaps, "dst")
+    assert K.merge_dense(dst, delta, weight)
+    for i, (a, b) in enumerate(zip(dst, out)):
+        assert torch.equal(a, b), f"out[{i}] differs from the in-place merge"
 
 
+MODES = ["in_place", "out"]
 WEIGHTS = [1.0, 0.3, -1.7]
 
 
@@ -326,46 +341,52 @@ WEIGHTS = [1.0, 0.3, -1.7]
 @pytest.mark.parametrize("ddt,edt", DTYPE_PAIRS, ids=PAIR_IDS)
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("weight", WEIGHTS)
-def test_merge_dense(device, ddt, edt, n, weight):
-    check_merge_dense(device, shapes_for(n), ddt, edt, weight, seed=n + 3)
+@pytest.mark.parametrize("mode", MODES)
+def test_merge_dense(device, ddt, edt, n, weight, mode):
+    check_merge_dense(device, shapes_for(n), ddt, edt, weight, seed=n + 3, mode=mode)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("ddt,edt,weight", [(f32, f32, 1.0), (f32, f16, 0.25), (bf16, f32, -0.5)],
                          ids=["f32-f32-1", "f32-f16-0.25", "bf16-f32--0.5"])
-def test_merge_dense_large(device, ddt, edt, weight):
-    check_merge_dense(device, [(BIG,), (3, 1001, 999)], ddt, edt, weight, seed=6, offset=1)
+@pytest.mark.parametrize("mode", MODES)
+def test_merge_dense_large(device, ddt, edt, weight, mode):
+    check_merge_dense(device, [(BIG,), (3, 1001, 999)], ddt, edt, weight, seed=6, offset=1,
+                      mode=mode)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("ddt,edt", [(f32, f32), (f16, f16), (bf16, f16)],
                          ids=["f32-f32", "f16-f16", "bf16-f16"])
 @pytest.mark.parametrize("offset", [1, 3])
-def test_merge_dense_misaligned(device, ddt, edt, offset):
+@pytest.mark.parametrize("mode", MODES)
+def test_merge_dense_misaligned(device, ddt, edt, offset, mode):
     check_merge_dense(device, [(4099,), (7,), (33, 31), (1,)], ddt, edt, 0.3, seed=17,
-                      offset=offset)
+                      offset=offset, mode=mode)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("count", [1, 2, 37, 500])
-def test_merge_dense_many_tensors(device, count):
+@pytest.mark.parametrize("mode", MODES)
+def test_merge_dense_many_tensors(device, count, mode):
     shapes = random_shapes(gen(count + 200), count)
-    check_merge_dense(device, shapes, f32, f32, 1.0, seed=count)
-    check_merge_dense(device, shapes, bf16, f32, 0.7, seed=count + 1, offset=1)
+    check_merge_dense(device, shapes, f32, f32, 1.0, seed=count, mode=mode)
+    check_merge_dense(device, shapes, bf16, f32, 0.7, seed=count + 1, offset=1, mode=mode)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_merge_dense_single_tensor(device):
-    check_merge_dense(device, [(6, 7)], f16, f32, 0.5, seed=8, single=True)
+@pytest.mark.parametrize("mode", MODES)
+def test_merge_dense_single_tensor(device, mode):
+    check_merge_dense(device, [(6, 7)], f16, f32, 0.5, seed=8, single=True, mode=mode)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @HYP
 @given(shapes=list_case(), ddt=dtypes_st, edt=dtypes_st,
        weight=st.sampled_from([1.0, 0.0, -1.0, 0.25, 1.0 / 3.0, 7.5]),
-       offset=st.integers(0, 3), seed=st.integers(0, 2 ** 31))
-def test_merge_dense_hypothesis(device, shapes, ddt, edt, weight, offset, seed):
-    check_merge_dense(device, shapes, ddt, edt, weight, seed, offset)
+       offset=st.integers(0, 3), seed=st.integers(0, 2 ** 31), mode=st.sampled_from(MODES))
+def test_merge_dense_hypothesis(device, shapes, ddt, edt, weight, offset, seed, mode):
+    check_merge_dense(device, shapes, ddt, edt, weight, seed, offset, mode=mode)
 
 
 BAD_VALUES = [float("nan"), float("inf"), float("-inf")]
@@ -376,15 +397,17 @@ BAD_VALUES = [float("nan"), float("inf"), float("-inf")]
 @pytest.mark.parametrize("edt", DTYPES, ids=dt_ids(DTYPES))
 @pytest.mark.parametrize("where", ["first", "middle", "last"])
 @pytest.mark.parametrize("weight", [1.0, 0.0])
-def test_merge_dense_nonfinite_writes_nothing(device, bad, edt, where, weight):
+@pytest.mark.parametrize("mode", MODES)
+def test_merge_dense_nonfinite_writes_nothing(device, bad, edt, where, weight, mode):
     g = gen(9)
     shapes = [(10,), (4099,), (3, 3), (1,)]
     dst = [rand(s, f32, device, g) for s in shapes]
     delta = [rand(s, edt, device, g) for s in shapes]
+    out = [torch.empty_like(t) for t in dst] if mode == "out" else None
     t, i = {"first": (0, 0), "middle": (1, 2050), "last": (3, 0)}[where]
     delta[t].view(-1)[i] = bad
     snaps = snapshot(dst)
-    assert K.merge_dense(dst, delta, weight) is False
+    assert K.merge_dense(dst, delta, weight, out=out) is False
     assert_unchanged(dst, snaps, "dst")
 
 
@@ -405,14 +428,62 @@ def test_merge_dense_nan_in_last_of_300_writes_nothing(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_merge_dense_inf_at_end_of_large_tensor_writes_nothing(device):
+@pytest.mark.parametrize("mode", MODES)
+def test_merge_dense_inf_at_end_of_large_tensor_writes_nothing(device, mode):
     g = gen(12)
     dst = [rand((BIG,), bf16, device, g)]
     delta = [rand((BIG,), f32, device, g)]
+    out = [torch.empty_like(dst[0])] if mode == "out" else None
     delta[0][-1] = float("inf")
     snaps = snapshot(dst)
-    assert K.merge_dense(dst, delta, 1.0) is False
+    assert K.merge_dense(dst, delta, 1.0, out=out) is False
     assert_unchanged(dst, snaps, "dst")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_merge_dense_out_must_not_be_dst(device):
+    dst = [torch.ones(5, device=device), torch.ones(3, device=device)]
+    delta = [torch.ones(5, device=device), torch.ones(3, device=device)]
+    with pytest.raises(ValueError, match=r"out\[1\] is dst\[1\]"):
+        K.merge_dense(dst, delta, 1.0, out=[torch.empty(5, device=device), dst[1]])
+    with pytest.raises(ValueError, match=r"out\[0\] has 4 elements"):
+        K.merge_dense(dst, delta, 1.0, out=[torch.empty(4, device=device), dst[1]])
+    with pytest.raises(ValueError, match=r"out\[0\] is float16"):
+        K.merge_dense(dst, delta, 1.0, out=[torch.empty(5, device=device).half(),
+                                          torch.empty(3, device=device)])
+    assert torch.equal(dst[1], torch.ones(3, device=device))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_merge_dense_guards_hold_for_two_threads_on_two_streams():
+    """The server merges on its own stream beside the training thread: each thread's NaN
+    flag is its own, so neither clears the other's between its check and its merge."""
+    import threading
+    n, rounds = 1 << 20, 50
+    results = {}
+
+    def merge_rounds(name, poisoned):
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            dst = torch.zeros(n, device="cuda")
+            delta = torch.ones(n, device="cuda")
+            if poisoned:
+                delta[n // 2] = float("nan")
+            oks = [K.merge_dense([dst], [delta], 1.0) for _ in range(rounds)]
+            stream.synchronize()
+        results[name] = (oks, dst.cpu())
+
+    threads = [threading.Thread(target=merge_rounds, args=("clean", False)),
+               threading.Thread(target=merge_rounds, args=("nan", True))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    clean_oks, clean = results["clean"]
+    nan_oks, poisoned = results["nan"]
+    assert all(clean_oks) and torch.equal(clean, torch.full((n,), float(rounds)))
+    assert not any(nan_oks) and torch.equal(poisoned, torch.zeros(n))
 
 
 # --------------------------------------------------------------------------------------------

@@ -313,3 +313,26 @@ def test_a_checkpoints_outer_state_that_does_not_fit_is_refused_on_every_rank():
             check(run, "c", bad)
     plain = SimpleNamespace(numel=N, params_numel=30, size=3, outer_spec=parse_outer("none"))
     check(plain, "c", None)      # a checkpoint from before outer optimizers: plain merge
+
+
+@pytest.mark.parametrize("kind", ["dense", "fp16", "topk"])
+def test_the_plain_merge_into_a_second_buffer_gives_the_in_place_bits(monkeypatch, kind):
+    """A large host model is merged into a spare buffer that becomes its storage: the same
+    bits as the in-place merge, two storages taking turns, and a NaN leaves both alone."""
+    in_place = make_outer("none", N, round_updates=2)
+    monkeypatch.setattr(PlainMerge, "double_buffer_numel", 1)
+    swapping = make_outer("none", N, round_updates=2)
+    ref, model = torch.zeros(N), torch.zeros(N)
+    storages = set()
+    for p, w in zip(payloads(3, 8, kind), [0.5, 0.25, 1.0, 0.75] * 2):
+        assert in_place.step(ref, p, w) and swapping.step(model, p, w)
+        assert torch.equal(model, ref)
+        storages.add(model.data_ptr())
+    assert len(storages) == (1 if kind == "topk" else 2)   # sparse merges stay in place
+    assert swapping.updates == in_place.updates == 8
+    bad = torch.randn(N)
+    bad[7] = math.nan
+    at, saved = model.data_ptr(), model.clone()
+    assert not swapping.step(model, Payload.dense(bad), 0.5)
+    assert model.data_ptr() == at and torch.equal(model, saved)
+    assert swapping.updates == 8

@@ -8,6 +8,7 @@ from hypothesis import given, settings, strategies as st
 
 from ashl.compression import Compression
 from ashl.coordinator import Coordinator
+from ashl.outer import PlainMerge
 from ashl.planner import RankProfile
 from ashl.protocol import DType, Flag, Header, Kind, ProtocolError
 from ashl.server import (LATENCY_SAMPLES, ParameterServer, ServerStats, busy_fraction,
@@ -76,6 +77,30 @@ def test_merge_uses_the_plans_weight_and_staleness():
     s.version = 4
     s.handle(*dense(2, torch.ones(N), base=0))
     assert torch.allclose(s.model, torch.full((N,), w[0] + w[1] + w[2] / 3))
+
+
+def test_a_large_model_merged_into_a_second_buffer_replies_and_rejects_as_in_place(
+        monkeypatch):
+    """outer.PlainMerge from its size on: the model's storage alternates, its values, the
+    replies and the guard do not change."""
+    g = torch.Generator().manual_seed(4)
+    deltas = [torch.randn(N, generator=g) for _ in range(4)]
+    deltas[2][3] = math.inf
+    runs = []
+    for threshold in (1 << 30, 1):
+        monkeypatch.setattr(PlainMerge, "double_buffer_numel", threshold)
+        s = server()
+        storages, seen = set(), []
+        for rank, d in enumerate(deltas):
+            (r,) = s.handle(*dense(rank % 3, d, base=s.version))
+            storages.add(s.model.data_ptr())
+            assert torch.equal(r.payload, s.model)
+            seen.append((s.model.clone(), bool(r.header.flags & Flag.ACCEPTED)))
+        runs.append(seen)
+        assert len(storages) == (1 if threshold > N else 2)
+        assert s.stats.rejected_nonfinite == 1 and s.version == 3
+    for (m0, a0), (m1, a1) in zip(*runs):
+        assert torch.equal(m0, m1) and a0 == a1
 
 
 @given(st.integers(0, 100), st.integers(1, 16))

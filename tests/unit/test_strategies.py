@@ -20,9 +20,15 @@ from ashl.torch.optimizer import _strategy_options
 from fake_world import FakeWorld
 
 
+# The global RNG is the process's: ranks in threads seed and draw under one lock, or one
+# rank's draws land between another's seed and its model (different initial models).
+_SEEDED = threading.Lock()
+
+
 def model_and_data(rank: int, seed: int = 0):
-    torch.manual_seed(seed)                       # the same initial model on every rank
-    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    with _SEEDED:
+        torch.manual_seed(seed)                   # the same initial model on every rank
+        model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
     g = torch.Generator().manual_seed(100 + rank)  # each rank its own data
     x, y = torch.randn(64, 4, generator=g), torch.randint(0, 3, (64,), generator=g)
     return model, x, y

@@ -66,7 +66,8 @@ void check_pack_delta(const TensorList& params, const TensorList& anchors,
                       const Flat& out, float scale);
 void check_unpack(const TensorList& params, const TensorList& anchors,
                   const std::vector<int64_t>& offsets, const Flat& flat);
-void check_merge_dense(const TensorList& dst, const TensorList& delta, float weight);
+void check_merge_dense(const TensorList& dst, const TensorList& delta, float weight,
+                       const TensorList* out);
 void check_merge_sparse(const Flat& dst, const void* indices, DType index_dtype,
                         const void* values, DType value_dtype, int64_t nnz, float weight);
 void check_weighted_sum(const TensorList& out, const std::vector<TensorList>& inputs,
@@ -83,8 +84,12 @@ void unpack_assign(const TensorList& params, const TensorList& anchors,
 void unpack_add(const TensorList& params, const TensorList& anchors,
                 const std::vector<int64_t>& offsets, Flat flat);
 // dst[i] += weight * delta[i] for every tensor, unless any delta element is
-// NaN/Inf: then nothing is written and it returns false.
-bool merge_dense(const TensorList& dst, const TensorList& delta, float weight);
+// NaN/Inf: then nothing is written and it returns false. With `out` (shaped and
+// typed like dst, not aliasing it), out[i] = dst[i] + weight * delta[i] and dst
+// is only read: one pass over every operand; on false dst is untouched and out
+// holds garbage.
+bool merge_dense(const TensorList& dst, const TensorList& delta, float weight,
+                 const TensorList* out = nullptr);
 // dst[indices[k]] += weight * values[k]. An index outside [0, dst.numel)
 // throws std::out_of_range (checked before values, so it wins over a
 // non-finite value) and a non-finite value returns false; either way nothing
@@ -112,7 +117,8 @@ void unpack_assign(const TensorList& params, const TensorList& anchors,
                    const std::vector<int64_t>& offsets, Flat flat, CudaContext ctx);
 void unpack_add(const TensorList& params, const TensorList& anchors,
                 const std::vector<int64_t>& offsets, Flat flat, CudaContext ctx);
-bool merge_dense(const TensorList& dst, const TensorList& delta, float weight, CudaContext ctx);
+bool merge_dense(const TensorList& dst, const TensorList& delta, float weight,
+                 const TensorList* out, CudaContext ctx);
 bool merge_sparse(Flat dst, const void* indices, DType index_dtype, const void* values,
                   DType value_dtype, int64_t nnz, float weight, CudaContext ctx);
 void weighted_sum(const TensorList& out, const std::vector<TensorList>& inputs,

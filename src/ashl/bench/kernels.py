@@ -40,6 +40,8 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from ashl.bench.shapes import ShapeList, model_shapes
+from ashl.kernels import FlatTensors
+from ashl.outer import PlainMerge
 
 OPS = ["pack_delta", "pack_delta+residual", "pack_delta_fp16", "unpack_assign", "unpack_add",
        "merge_dense", "merge_sparse", "weighted_sum"]
@@ -65,6 +67,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"ops to run (default: all of {', '.join(OPS)})")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for both ashl and torch (default: their defaults)")
+    p.add_argument("--storage", choices=STORAGES, default="flat",
+                   help="how the model's tensors are stored: flat (views of one buffer, as "
+                        "ashl.DistributedOptimizer stores them by default) or separate (one "
+                        "allocation each, flat_storage=False)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--isa", default="auto",
                    help="the CPU kernels' fp16/bf16 conversion path: auto (the best this CPU "
@@ -83,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     result = run_benchmark(device=args.device, repeat=args.repeat, warmup=args.warmup,
                            quick=args.quick, lists=args.lists, ops=args.ops,
-                           threads=args.threads, seed=args.seed)
+                           threads=args.threads, seed=args.seed, storage=args.storage)
     print(format_table(result))
     if args.json:
         d = os.path.dirname(os.path.abspath(args.json))
@@ -161,12 +167,20 @@ class Case:
     notes: str = ""
 
 
-class ListData:
-    """A model's parameter list on ``device`` (separate tensors, as a model holds them) and
-    the same values in separate flat buffers."""
+STORAGES = ("flat", "separate")
 
-    def __init__(self, name: str, shapes: ShapeList, device: torch.device, seed: int):
-        self.name, self.device = name, device
+
+class ListData:
+    """A model's parameter list on ``device``, stored as ``storage`` says: ``flat``, views of
+    one buffer (FlatTensors), as ``ashl.DistributedOptimizer`` stores a model
+    (``flat_storage=True``, the default); ``separate``, each tensor its own allocation, as a
+    model holds them otherwise. Beside it, the same values in separate flat buffers."""
+
+    def __init__(self, name: str, shapes: ShapeList, device: torch.device, seed: int,
+                 storage: str = "flat"):
+        if storage not in STORAGES:
+            raise ValueError(f"storage {storage!r}: expected one of {', '.join(STORAGES)}")
+        self.name, self.device, self.storage = name, device, storage
         self.shapes = [s for _, s in shapes]
         self.numels = [math.prod(s) for s in self.shapes]
         self.n = sum(self.numels)
@@ -180,7 +194,9 @@ class ListData:
         return t.to(self.device)
 
     def as_list(self, flat: torch.Tensor) -> List[torch.Tensor]:
-        """Separate tensors (own allocations) holding ``flat``'s values."""
+        """The model's tensors holding ``flat``'s values, stored as ``storage`` says."""
+        if self.storage == "flat":
+            return FlatTensors.of(self.views(flat.clone()))
         return [v.view(s).clone() for v, s in zip(flat.split(self.numels), self.shapes)]
 
     def views(self, flat: torch.Tensor) -> List[torch.Tensor]:
@@ -314,8 +330,17 @@ def _merge_dense(L: ListData, K) -> Case:
             return True
         return False
 
+    # As the server merges (outer.PlainMerge): a large host model into a second buffer that
+    # then becomes the model, so the calls take turns between two lists; a small one in place.
+    turns = {"dst": D, "spare": L.as_list(torch.empty_like(fd0))}
+    double_buffered = L.device.type == "cpu" and L.n >= PlainMerge.double_buffer_numel
+
     def ashl():
-        assert K.merge_dense(D, E, MERGE_WEIGHT)
+        if not double_buffered:
+            assert K.merge_dense(turns["dst"], E, MERGE_WEIGHT)
+            return
+        assert K.merge_dense(turns["dst"], E, MERGE_WEIGHT, out=turns["spare"])
+        turns["dst"], turns["spare"] = turns["spare"], turns["dst"]
 
     fns = {"ashl": ashl, "foreach": foreach, "flat": flat}
 
@@ -324,12 +349,14 @@ def _merge_dense(L: ListData, K) -> Case:
             fd.copy_(fd0)
             fns[v]()
             return fd.cpu()
-        torch._foreach_copy_(D, L.views(fd0))
+        for dst in (D, turns["dst"]):
+            torch._foreach_copy_(dst, L.views(fd0))
         fns[v]()
-        return cat(D)
+        return cat(turns["dst"] if v == "ashl" else D)
 
     return Case("merge_dense", L.name, L.n, 3 * 4 * L.n, fns, result, 1e-6, 1e-6,
-                "torch variants include a NaN/Inf guard")
+                "torch variants include a NaN/Inf guard; ashl merges as the server does, "
+                "into a second buffer from %d elements" % PlainMerge.double_buffer_numel)
 
 
 def _merge_sparse(L: ListData, K) -> Case:
@@ -413,7 +440,7 @@ assert list(_BUILDERS) == OPS
 
 def run_benchmark(device: str = "cpu", repeat: Optional[int] = None, warmup: int = 2,
                   quick: bool = False, lists=LISTS, ops=OPS, threads: Optional[int] = None,
-                  seed: int = 0, log=print) -> dict:
+                  seed: int = 0, storage: str = "flat", log=print) -> dict:
     import ashl.kernels as K
 
     dev = torch.device(device)
@@ -429,7 +456,7 @@ def run_benchmark(device: str = "cpu", repeat: Optional[int] = None, warmup: int
     all_shapes = model_shapes(quick)
     cases_out = []
     for li, name in enumerate(lists):
-        L = ListData(name, all_shapes[name], dev, seed + li)
+        L = ListData(name, all_shapes[name], dev, seed + li, storage)
         for op in ops:
             case = build_case(op, L, K)
             check_case(case)
@@ -461,6 +488,7 @@ def run_benchmark(device: str = "cpu", repeat: Optional[int] = None, warmup: int
         "isa": K.cpu_isa() if dev.type == "cpu" else None,
         "torch_threads": torch.get_num_threads(),
         "torch_version": torch.__version__,
+        "storage": storage,
         "repeat": repeat,
         "warmup": warmup,
         "quick": quick,
@@ -550,7 +578,8 @@ def format_table(result: dict) -> str:
     lines = [f"device: {result['device']}  threads: {result['threads']} isa: {result['isa']} "
              f"(torch {result['torch_threads']})  copy bandwidth: "
              f"{result['bandwidth_before_gbps']:.1f} GB/s before, "
-             f"{result['bandwidth_after_gbps']:.1f} after  min of {result['repeat']}",
+             f"{result['bandwidth_after_gbps']:.1f} after  min of {result['repeat']}  "
+             f"storage: {result.get('storage', 'separate')}",
              head, "-" * len(head)]
     lines += [format_row(r) for r in result["cases"]]
     if not result["reliable"]:

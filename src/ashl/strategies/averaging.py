@@ -124,7 +124,7 @@ class ModelAveragingStrategy(Strategy):
 
     # ----------------------------------------------------------------------- the round
     def _start(self) -> None:
-        self.anchors = [t.detach().clone() for t in self.tensors]
+        self.anchors = kernels.clone_tensors(self.tensors)
 
     def _round_done(self) -> bool:
         return not self._between_passes and super()._round_done()

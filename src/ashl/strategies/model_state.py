@@ -6,34 +6,70 @@ from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["model_state", "signature", "signature_mismatch",
+from ..kernels import FlatTensors
+
+__all__ = ["model_state", "store_flat", "signature", "signature_mismatch",
            "verify_same_model"]
 
 
 def model_state(model: Optional[torch.nn.Module],
-                params: Sequence[torch.Tensor]) -> tuple[list[str], list[torch.Tensor]]:
+                params: Sequence[torch.Tensor]) -> tuple[list[str], Sequence[torch.Tensor]]:
     """(names, tensors) of what travels: the parameters, then the model's floating-point
     buffers (BatchNorm running statistics), which are averaged too. Integer buffers
-    (num_batches_tracked) stay local."""
-    names_of = {}
-    if model is not None:
-        names_of = {p.data_ptr(): n for n, p in model.named_parameters()}
-    tensors = [p.data for p in params]
-    names = [names_of.get(t.data_ptr(), f"param[{i}]") for i, t in enumerate(tensors)]
-    seen = {t.data_ptr() for t in tensors}
-    if model is not None:
-        for name, b in model.named_buffers():
-            if b.is_floating_point() and b.data_ptr() not in seen and b.numel() > 0:
-                tensors.append(b.data)
-                names.append(name)
-                seen.add(b.data_ptr())
+    (num_batches_tracked) stay local. The tensors are FlatTensors when they are stored flat
+    (``store_flat``), so that every kernel call runs on one buffer."""
+    names, owners = _travelling(model, params)
+    tensors = [t.data for t in owners]
     for name, t in zip(names, tensors):
         if not t.is_contiguous():
             raise ValueError(f"{name} (shape {tuple(t.shape)}) is not contiguous")
         if t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"{name} has dtype {t.dtype}; ashl averages float32, "
                              "float16 and bfloat16 tensors")
-    return names, tensors
+    return names, FlatTensors.of(tensors) or tensors
+
+
+def _travelling(model, params) -> tuple[list[str], list[torch.Tensor]]:
+    """(names, the parameters and buffers themselves) of what travels, in its order."""
+    names_of = {}
+    if model is not None:
+        names_of = {p.data_ptr(): n for n, p in model.named_parameters()}
+    owners = list(params)
+    names = [names_of.get(t.data_ptr(), f"param[{i}]") for i, t in enumerate(owners)]
+    seen = {t.data_ptr() for t in owners}
+    if model is not None:
+        for name, b in model.named_buffers():
+            if b.is_floating_point() and b.data_ptr() not in seen and b.numel() > 0:
+                owners.append(b)
+                names.append(name)
+                seen.add(b.data_ptr())
+    return names, owners
+
+
+def store_flat(model: Optional[torch.nn.Module], params: Sequence[torch.Tensor]) -> bool:
+    """Stores what travels in one new contiguous buffer, in its order: each parameter and
+    buffer keeps its values and becomes a view of it (its ``.data`` re-pointed, as apex and
+    FSDP do), so a commit's kernels run on one flat tensor, not one per tensor. Only when
+    they share a dtype and a device and each owns its whole storage (no views of one
+    another, nothing empty); returns whether it did. What held a tensor's old ``.data``
+    (not the tensor itself) no longer sees the model."""
+    _, owners = _travelling(model, params)
+    if not owners or FlatTensors.of([t.data for t in owners]) is not None:
+        return False   # nothing to store, or stored flat already
+    first = owners[0]
+    if any(t.dtype != first.dtype or t.device != first.device or t.numel() == 0
+           or t.storage_offset() != 0 or not t.is_contiguous()
+           or t.untyped_storage().nbytes() != t.numel() * t.element_size() for t in owners):
+        return False
+    flat = torch.empty(sum(t.numel() for t in owners), dtype=first.dtype, device=first.device)
+    off = 0
+    with torch.no_grad():
+        for t in owners:
+            view = flat[off:off + t.numel()].view(t.shape)
+            view.copy_(t.data)
+            t.data = view
+            off += t.numel()
+    return True
 
 
 def signature(names: Sequence[str], tensors: Sequence[torch.Tensor]) -> list[tuple]:

@@ -266,7 +266,7 @@ class ServerStrategy(Strategy):
     def _start(self) -> None:
         # The model as broadcast before training: the anchor of the first delta and, on
         # the server rank, the first global model.
-        self.anchors = [t.detach().clone() for t in self.tensors]
+        self.anchors = kernels.clone_tensors(self.tensors)
         if self._resume is not None:
             self._start_from_checkpoint()
 
@@ -369,10 +369,10 @@ class ServerStrategy(Strategy):
         """Start the commit and return to training: the next round's steps start from the
         model held now (w_sent, copied), on the version held now."""
         if self.sent is None:
-            self.sent = [t.detach().clone() for t in self.tensors]
+            self.sent = kernels.clone_tensors(self.tensors)
         else:
-            for s, t in zip(self.sent, self.tensors):
-                s.copy_(t.detach())
+            sent, held = kernels.flat_forms(self.sent, self.tensors)
+            torch._foreach_copy_(list(sent), list(held))
         self.bytes_sent += self.client.begin(payload, commit)
         self.overlap_counts["overlapped_commits"] += 1
         self.round_base = self.version

@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from ..strategies import FAULT_TOLERANT, OVERLAPPING, PARAMETER_SERVER, make_strategy
+from ..strategies.model_state import store_flat
 from .exit import end_failed_start, leave_at_exit
 from .horovod_keywords import HorovodKeywords
 
@@ -133,7 +134,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
                          gradient_predivide_factor: float = 1.0, num_groups: int = 0,
                          groups=None, sparse_as_dense: bool = False, process_set=None, *,
                          model: Optional[torch.nn.Module] = None, sampler=None,
-                         strategy: str = "ashl", staleness: int = 3, **config):
+                         strategy: str = "ashl", staleness: int = 3, flat_storage: bool = True,
+                         **config):
     """Wrap ``optimizer`` for heterogeneity-aware training, as ``hvd.DistributedOptimizer``.
 
     Horovod's arguments come first, in Horovod's order, and mean what they mean there where a
@@ -154,6 +156,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         "diloco", "async-localsgd" (see ashl.strategies).
     staleness: SHL's bound s (a rank at most s commits ahead of the slowest); strategy
         "ssp": its bound.
+    flat_storage: store the parameters and floating-point buffers that travel in one
+        contiguous buffer, each a view of it (default True, when they share a dtype and a
+        device), so a commit's kernels run once on that buffer, not once per tensor. The
+        tensors themselves stay the model's, with their values; only a reference taken
+        earlier to a tensor's ``.data`` stops seeing the model. False leaves them alone.
     config: strategy options (outer_optimizer: "none", "nesterov(lr, momentum)" or
         "delayed-nesterov(lr, momentum, n)", applied to the merged deltas (ashl.outer);
         local_steps for localsgd, diloco and async-localsgd; profile_steps, staleness_fn,
@@ -184,6 +191,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         named_parameters = list(named_parameters)
     params = _params(optimizer, model, named_parameters)
     kwargs = _strategy_options(strategy, staleness, config)
+    if not isinstance(flat_storage, bool):
+        raise ValueError(f"flat_storage must be True or False, got {flat_storage!r}")
+    if flat_storage:
+        store_flat(model, params)
     try:
         engine = make_strategy(strategy, model, params, sampler=sampler,
                                compression=compression, **kwargs)
