@@ -25,8 +25,8 @@ constexpr int64_t kHalfBlock = 1024;
 // Outputs at least this large are written with streaming stores (they cannot
 // stay in a cache of a few tens of MiB anyway).
 constexpr int64_t kStreamBytes = int64_t(16) << 20;
-// merge_dense with `out`: delta checked and merged a block at a time (16 KiB of
-// fp32 delta, L1-resident between the two).
+// merge_dense with `out`: merged and checked a block at a time (16 KiB of fp32
+// delta: a 16-bit operand's block is merged, then checked from L1; fp32 in one loop).
 constexpr int64_t kMergeBlock = 4096;
 // Below this many elements in total, threads cost more than they save.
 constexpr int64_t kParallelThreshold = 1 << 16;
@@ -361,11 +361,42 @@ void unpack_add(const TensorList& params, const TensorList& anchors,
 }
 
 namespace {
-// out = dst + w * delta, each thread over its range in blocks: a block of delta is
-// checked, then merged while it is still in L1, so every operand crosses memory once
-// (12 bytes an element with out streamed, against 16 for a check pass and an in-place
-// merge pass). A thread that meets a non-finite delta stops there: out is then
-// garbage, and dst was never written.
+// o[j] = d[j] + w * x[j] for j in [b, e), all fp32, in one loop that also tests x:
+// true if any x[j] is NaN/Inf. With `stream`, o's lanes go out non-temporally after
+// a scalar head up to its vector boundary.
+bool merge_checked_fp32(float* o, const float* d, const float* x, int64_t b, int64_t e,
+                        const ops::AddScaled& op, bool stream) {
+  int bad = 0;
+  int64_t j = b;
+  if (stream) {
+    for (; j < e && !lane_aligned(o + j); ++j) {
+      o[j] = op(d[j], x[j]);
+      bad |= ops::nonfinite(x[j]);
+    }
+    for (; j + kLanes <= e; j += kLanes) {
+      float v[kLanes];
+#pragma omp simd reduction(| : bad)
+      for (int64_t l = 0; l < kLanes; ++l) {
+        v[l] = op(d[j + l], x[j + l]);
+        bad |= ops::nonfinite(x[j + l]);
+      }
+      store_lanes(o + j, v, true);
+    }
+  }
+#pragma omp simd reduction(| : bad)
+  for (int64_t k = j; k < e; ++k) {
+    o[k] = op(d[k], x[k]);
+    bad |= ops::nonfinite(x[k]);
+  }
+  return bad != 0;
+}
+
+// out = dst + w * delta, each thread over its range in blocks: a block is merged (dst
+// and delta streamed in together, out streamed out), then its delta checked while still
+// in L1. out is only scratch until the caller adopts it, so nothing need be checked
+// before it is written: every operand crosses memory once (12 bytes an element, against
+// 16 for a check pass and an in-place merge pass). A thread that meets a non-finite
+// delta stops at the end of that block: out is then garbage, and dst was never written.
 template <class D, class X>
 bool merge_dense_out(const TensorList& dst, const TensorList& delta, const TensorList& out,
                      float weight) {
@@ -382,11 +413,15 @@ bool merge_dense_out(const TensorList& dst, const TensorList& delta, const Tenso
       const X* xt = x.at(t);
       for (int64_t bb = b; bb < e && !bad; bb += kMergeBlock) {
         const int64_t be = std::min(e, bb + kMergeBlock);
+        if constexpr (std::is_same_v<D, float> && std::is_same_v<X, float>) {
+          bad |= merge_checked_fp32(o[0].at(t), d.at(t), xt, bb, be, op, o[0].stream);
+          continue;
+        }
+        map_chunk(op, o, t, bb, be, d.at(t), xt);
         int local = 0;
 #pragma omp simd reduction(| : local)
         for (int64_t j = bb; j < be; ++j) local |= nonfinite(xt, j);
         bad |= local;
-        if (!local) map_chunk(op, o, t, bb, be, d.at(t), xt);
       }
     });
     if (o[0].stream) stream_fence();
