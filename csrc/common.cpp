@@ -1,6 +1,7 @@
 // Validation shared by the CPU and CUDA back ends.
 #include "ashl/kernels.h"
 
+#include <algorithm>
 #include <string>
 
 namespace ashl {
@@ -134,11 +135,44 @@ void check_merge_dense(const TensorList& dst, const TensorList& delta, float wei
   if (out == nullptr) return;
   check_same_shape(dst, *out, "dst", "out");
   require_same_dtype(dst, *out, "dst", "out");
-  // out is written before every delta element is checked: it must not be dst
-  for (size_t i = 0; i < dst.ptrs.size(); ++i)
-    if (dst.numels[i] > 0 && out->ptrs[i] == dst.ptrs[i])
-      throw std::invalid_argument("out[" + std::to_string(i) + "] is dst[" +
-                                  std::to_string(i) + "]: merge in place without out");
+  // out is written before every delta element is checked: no byte of it may be dst's
+  require_disjoint(*out, dst, "out", "dst");
+}
+
+void require_disjoint(const TensorList& a, const TensorList& b, const char* a_name,
+                      const char* b_name) {
+  struct Range {
+    uintptr_t lo, hi;
+    size_t index;
+    int list;  // 0: a, 1: b
+  };
+  std::vector<Range> ranges;
+  const auto add = [&](const TensorList& l, int which) {
+    const auto size = static_cast<uintptr_t>(dtype_size(l.dtype));
+    for (size_t i = 0; i < l.ptrs.size(); ++i)
+      if (l.numels[i] > 0) {
+        const auto lo = reinterpret_cast<uintptr_t>(l.ptrs[i]);
+        ranges.push_back({lo, lo + static_cast<uintptr_t>(l.numels[i]) * size, i, which});
+      }
+  };
+  add(a, 0);
+  add(b, 1);
+  std::sort(ranges.begin(), ranges.end(),
+            [](const Range& x, const Range& y) { return x.lo < y.lo; });
+  // Sorted by start: a range overlaps the other list iff that list's furthest-reaching
+  // range so far ends past its start.
+  const Range* reach[2] = {nullptr, nullptr};
+  for (const Range& r : ranges) {
+    const Range* other = reach[1 - r.list];
+    if (other != nullptr && other->hi > r.lo) {
+      const Range& x = r.list == 0 ? r : *other;
+      const Range& y = r.list == 0 ? *other : r;
+      throw std::invalid_argument(std::string(a_name) + "[" + std::to_string(x.index) +
+                                  "] overlaps " + b_name + "[" + std::to_string(y.index) +
+                                  "]: merge in place without out");
+    }
+    if (reach[r.list] == nullptr || r.hi > reach[r.list]->hi) reach[r.list] = &r;
+  }
 }
 
 void check_merge_sparse(const Flat& dst, const void* indices, DType index_dtype,

@@ -22,9 +22,13 @@ constexpr int64_t kBlock = 2048;
 // Blocks of an op with 16-bit operands: each operand widened into its own
 // fp32 block, all of them in L1 together.
 constexpr int64_t kHalfBlock = 1024;
-// An op whose operands add up to this many bytes writes its output with streaming
-// stores: the output cannot stay cached as the inputs stream through anyway.
-constexpr int64_t kStreamBytes = int64_t(16) << 20;
+// An op whose operands add up to more than a last-level cache (32 MiB, this VM's L3; the
+// OS reports ten times that here, so it is not asked) writes its output with streaming
+// stores: the output cannot stay cached as the inputs stream through anyway. Below it, an
+// output stays for its next reader (the send, the forward pass).
+constexpr int64_t kStreamBytes = int64_t(32) << 20;
+// unpack_add streams its params by their own size (below).
+constexpr int64_t kStreamOutputBytes = int64_t(16) << 20;
 // merge_dense with `out`: merged and checked a block at a time (16 KiB of fp32
 // delta: a 16-bit operand's block is merged, then checked from L1; fp32 in one loop).
 constexpr int64_t kMergeBlock = 4096;
@@ -341,9 +345,9 @@ void unpack(const TensorList& params, const TensorList& anchors,
   check_unpack(params, anchors, offsets, flat);
   // unpack_add's params: by their own size (streamed beside the anchors' normal stores
   // as soon as the footprint passed the cache, it measured 0.77x torch on 14 MB)
-  const bool stream = streams(params.numels, kAdd ? dtype_size(params.dtype)
-                                                   : 2 * dtype_size(params.dtype) +
-                                                         dtype_size(flat.dtype));
+  const bool stream =
+      kAdd ? total(params.numels) * dtype_size(params.dtype) >= kStreamOutputBytes
+           : streams(params.numels, 2 * dtype_size(params.dtype) + dtype_size(flat.dtype));
   dispatch_float<HostStorage>(params.dtype, "params", flat.dtype, "flat", [&](auto pt, auto ft) {
     using P = typename decltype(pt)::type;
     const auto f = slices<typename decltype(ft)::type>(flat, offsets);

@@ -118,6 +118,9 @@ class FlatTensors(tuple):
                                        (at - first.storage_offset(),))
         return cls(tensors, flat)
 
+    def __reduce__(self):   # copy, deepcopy, pickle: the views and their buffer together
+        return FlatTensors, (tuple(self), self.flat, self.numels)
+
     def clone(self) -> "FlatTensors":
         """A copy in a new flat buffer, viewed the same way."""
         flat = self.flat.clone()
@@ -367,9 +370,10 @@ def merge_dense(dst: TensorOrList, delta: TensorOrList, weight: float,
                 out: TensorOrList | None = None) -> bool:
     """``dst += weight * delta``; if ``delta`` holds any NaN/Inf, writes nothing, returns False.
 
-    With ``out`` (tensors shaped and typed like ``dst``, none of them ``dst``'s own):
-    ``out = dst + weight * delta`` and ``dst`` is only read, in one pass over the operands
-    instead of a check pass and a merge pass; on False ``out`` holds garbage."""
+    With ``out`` (tensors shaped and typed like ``dst``, sharing no byte with it):
+    ``out = dst + weight * delta`` and ``dst`` is only read, on the CPU in one pass over the
+    operands instead of a check pass and a merge pass (CUDA still runs both); on False
+    ``out`` holds garbage."""
     dst, delta, out = flat_forms(dst, delta, out)
     dst, delta = _as_list(dst, "dst"), _as_list(delta, "delta")
     device = _device_of(dst, None, "dst")

@@ -104,13 +104,16 @@ class PlainMerge(OuterOptimizer):
     def __init__(self, spec: OuterSpec, numel: int, device="cpu",
                  params_numel: Optional[int] = None):
         super().__init__(spec, numel, device, params_numel)
-        self.spare: Optional[torch.Tensor] = None   # the second buffer, made on first use
+        # the second buffer, made at the first merge that needs it (the averaging strategies
+        # hold a PlainMerge that never merges: unpack_add is their plain merge)
+        self.spare: Optional[torch.Tensor] = None
 
     def step(self, model, update, weight) -> bool:
         if update.sparse or not self._double_buffered(model):
             ok = update.merge_into(model, weight)
         else:
-            if self.spare is None or self.spare.shape != model.shape:
+            if self.spare is None or self.spare.shape != model.shape \
+                    or self.spare.dtype != model.dtype:
                 self.spare = torch.empty_like(model)
             ok = update.merge_into(model, weight, out=self.spare)
             if ok:
@@ -120,8 +123,12 @@ class PlainMerge(OuterOptimizer):
         return ok
 
     def _double_buffered(self, model: torch.Tensor) -> bool:
+        """A large host model that owns its whole storage: re-pointing it (set_) then leaves
+        no other tensor on the old storage to miss the merge."""
         return (model.device.type == "cpu" and model.numel() >= self.double_buffer_numel
-                and model.is_contiguous())
+                and model.is_contiguous() and model._base is None
+                and model.storage_offset() == 0
+                and model.untyped_storage().nbytes() == model.numel() * model.element_size())
 
 
 class _WithMomentum(OuterOptimizer):

@@ -127,7 +127,7 @@ def test_store_flat_keeps_the_model_its_values_and_its_optimizer():
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     opt_twin = torch.optim.SGD(twin.parameters(), lr=0.1, momentum=0.9)
     params = list(model.parameters())
-    assert store_flat(model, params)
+    assert store_flat(model, params) is None
     assert all(p is q for p, q in zip(params, model.parameters()))   # the same Parameters
     names, tensors = model_state(model, params)
     assert isinstance(tensors, FlatTensors)
@@ -145,15 +145,63 @@ def test_store_flat_keeps_the_model_its_values_and_its_optimizer():
     # the kernels write the model through the flat buffer
     tensors.flat.zero_()
     assert all(p.eq(0).all() for p in model.parameters()) and model.bn.running_var.eq(0).all()
-    assert not store_flat(model, params)   # stored flat already
+    assert store_flat(model, params) == "stored flat already"
 
 
 def test_store_flat_leaves_what_it_cannot_store_as_it_is():
+    def refused(model, params, why):
+        before = [t.data_ptr() for t in [*params, *(model.buffers() if model else [])]]
+        assert store_flat(model, params) == why
+        assert [t.data_ptr() for t in [*params, *(model.buffers() if model else [])]] == before
+
     mixed = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3).half())
-    before = [p.data_ptr() for p in mixed.parameters()]
-    assert not store_flat(mixed, list(mixed.parameters()))
-    assert [p.data_ptr() for p in mixed.parameters()] == before
+    refused(mixed, list(mixed.parameters()), "its tensors differ in dtype or device")
+    double = torch.nn.Linear(3, 3).double()
+    refused(double, list(double.parameters()), "a tensor is empty or not fp32, fp16 or bf16")
     shared = torch.nn.Linear(4, 4)
     view = torch.nn.Parameter(shared.weight.data[0])   # a view of another parameter
-    assert not store_flat(None, [shared.weight, view])
-    assert view.data_ptr() == shared.weight.data_ptr()
+    refused(None, [shared.weight, view], "a tensor is a view of a larger storage")
+    refused(None, [shared.weight, shared.weight], "a parameter is listed twice")
+    # two Parameter objects over one storage (the old tying idiom): each owns it whole
+    enc, dec = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    dec.weight.data = enc.weight.data
+    tied = torch.nn.ModuleDict({"enc": enc, "dec": dec})
+    refused(tied, list(tied.parameters()), "two of its tensors share memory")
+    # a buffer over a parameter's storage, which does not travel itself
+    net = torch.nn.Linear(4, 4)
+    net.register_buffer("alias", net.bias.data)
+    refused(net, list(net.parameters()), "two of its tensors share memory")
+
+
+def test_the_default_stores_a_cpu_model_flat_but_not_for_bsp(monkeypatch):
+    from ashl.torch import optimizer as api
+    for strategy, expected in (("ashl", True), ("bsp", False)):
+        model = Net()
+        api._store_flat(model, list(model.parameters()), strategy, None)
+        _, tensors = model_state(model, list(model.parameters()))
+        assert isinstance(tensors, FlatTensors) == expected
+    model = Net()
+    api._store_flat(model, list(model.parameters()), "bsp", True)   # asked for
+    assert isinstance(model_state(model, list(model.parameters()))[1], FlatTensors)
+    with pytest.raises(ValueError, match="flat_storage must be True, False or None"):
+        api._store_flat(model, list(model.parameters()), "ashl", "yes")
+
+
+def test_flat_tensors_pickle_and_copy_as_views_of_one_buffer():
+    import copy
+    ft = flat_list(SHAPES, seed=3)
+    for twin in (copy.deepcopy(ft), torch.load(_saved(ft), weights_only=False)):
+        assert isinstance(twin, FlatTensors) and twin.numels == ft.numels
+        assert all(torch.equal(a, b) for a, b in zip(twin, ft))
+        twin.flat.zero_()
+        assert all(t.eq(0).all() for t in twin) and not ft.flat.eq(0).all()
+    shallow = copy.copy(ft)
+    assert shallow.flat is ft.flat and isinstance(shallow, FlatTensors)
+
+
+def _saved(obj):
+    import io
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return buf

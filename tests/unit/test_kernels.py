@@ -444,8 +444,17 @@ def test_merge_dense_inf_at_end_of_large_tensor_writes_nothing(device, mode):
 def test_merge_dense_out_must_not_be_dst(device):
     dst = [torch.ones(5, device=device), torch.ones(3, device=device)]
     delta = [torch.ones(5, device=device), torch.ones(3, device=device)]
-    with pytest.raises(ValueError, match=r"out\[1\] is dst\[1\]"):
+    with pytest.raises(ValueError, match=r"out\[1\] overlaps dst\[1\]"):
         K.merge_dense(dst, delta, 1.0, out=[torch.empty(5, device=device), dst[1]])
+    # a partial overlap, and out[0] on dst[1]'s bytes: as bad
+    base = torch.zeros(12, device=device)
+    d2 = [base[0:5], base[5:8]]
+    with pytest.raises(ValueError, match=r"out\[0\] overlaps dst\[0\]"):
+        K.merge_dense(d2, delta, 1.0, out=[base[3:8], torch.empty(3, device=device)])
+    with pytest.raises(ValueError, match=r"out\[1\] overlaps dst\[1\]"):
+        K.merge_dense(d2, delta, 1.0, out=[torch.empty(5, device=device), base[6:9]])
+    with pytest.raises(ValueError, match=r"out\[0\] overlaps dst\[1\]"):
+        K.merge_dense(d2, delta, 1.0, out=[base[5:10], torch.empty(3, device=device)])
     with pytest.raises(ValueError, match=r"out\[0\] has 4 elements"):
         K.merge_dense(dst, delta, 1.0, out=[torch.empty(4, device=device), dst[1]])
     with pytest.raises(ValueError, match=r"out\[0\] is float16"):

@@ -68,6 +68,10 @@ void check_unpack(const TensorList& params, const TensorList& anchors,
                   const std::vector<int64_t>& offsets, const Flat& flat);
 void check_merge_dense(const TensorList& dst, const TensorList& delta, float weight,
                        const TensorList* out);
+// Throws std::invalid_argument naming the first pair if any tensor of `a` shares a byte
+// with a tensor of `b`.
+void require_disjoint(const TensorList& a, const TensorList& b, const char* a_name,
+                      const char* b_name);
 void check_merge_sparse(const Flat& dst, const void* indices, DType index_dtype,
                         const void* values, DType value_dtype, int64_t nnz, float weight);
 void check_weighted_sum(const TensorList& out, const std::vector<TensorList>& inputs,
@@ -85,9 +89,9 @@ void unpack_add(const TensorList& params, const TensorList& anchors,
                 const std::vector<int64_t>& offsets, Flat flat);
 // dst[i] += weight * delta[i] for every tensor, unless any delta element is
 // NaN/Inf: then nothing is written and it returns false. With `out` (shaped and
-// typed like dst, not aliasing it), out[i] = dst[i] + weight * delta[i] and dst
-// is only read: one pass over every operand; on false dst is untouched and out
-// holds garbage.
+// typed like dst, sharing no byte with it), out[i] = dst[i] + weight * delta[i]
+// and dst is only read: one pass over every operand; on false dst is untouched
+// and out holds garbage.
 bool merge_dense(const TensorList& dst, const TensorList& delta, float weight,
                  const TensorList* out = nullptr);
 // dst[indices[k]] += weight * values[k]. An index outside [0, dst.numel)

@@ -67,10 +67,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"ops to run (default: all of {', '.join(OPS)})")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for both ashl and torch (default: their defaults)")
-    p.add_argument("--storage", choices=STORAGES, default="flat",
-                   help="how the model's tensors are stored: flat (views of one buffer, as "
-                        "ashl.DistributedOptimizer stores them by default) or separate (one "
-                        "allocation each, flat_storage=False)")
+    p.add_argument("--storage", choices=STORAGES, default=None,
+                   help="how the model's tensors are stored: flat (views of one buffer) or "
+                        "separate (one allocation each); default: as ashl.DistributedOptimizer "
+                        "stores a model on the device, flat on cpu, separate on cuda")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--isa", default="auto",
                    help="the CPU kernels' fp16/bf16 conversion path: auto (the best this CPU "
@@ -89,7 +89,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     result = run_benchmark(device=args.device, repeat=args.repeat, warmup=args.warmup,
                            quick=args.quick, lists=args.lists, ops=args.ops,
-                           threads=args.threads, seed=args.seed, storage=args.storage)
+                           threads=args.threads, seed=args.seed,
+                           storage=args.storage or ("flat" if args.device == "cpu" else "separate"))
     print(format_table(result))
     if args.json:
         d = os.path.dirname(os.path.abspath(args.json))
@@ -173,7 +174,7 @@ STORAGES = ("flat", "separate")
 class ListData:
     """A model's parameter list on ``device``, stored as ``storage`` says: ``flat``, views of
     one buffer (FlatTensors), as ``ashl.DistributedOptimizer`` stores a model
-    (``flat_storage=True``, the default); ``separate``, each tensor its own allocation, as a
+    (``flat_storage``, a CPU model by default); ``separate``, each tensor its own allocation, as a
     model holds them otherwise. Beside it, the same values in separate flat buffers."""
 
     def __init__(self, name: str, shapes: ShapeList, device: torch.device, seed: int,

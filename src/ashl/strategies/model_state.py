@@ -8,6 +8,8 @@ import torch
 
 from ..kernels import FlatTensors
 
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
 __all__ = ["model_state", "store_flat", "signature", "signature_mismatch",
            "verify_same_model"]
 
@@ -23,7 +25,7 @@ def model_state(model: Optional[torch.nn.Module],
     for name, t in zip(names, tensors):
         if not t.is_contiguous():
             raise ValueError(f"{name} (shape {tuple(t.shape)}) is not contiguous")
-        if t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        if t.dtype not in _FLOATS:
             raise ValueError(f"{name} has dtype {t.dtype}; ashl averages float32, "
                              "float16 and bfloat16 tensors")
     return names, FlatTensors.of(tensors) or tensors
@@ -46,22 +48,25 @@ def _travelling(model, params) -> tuple[list[str], list[torch.Tensor]]:
     return names, owners
 
 
-def store_flat(model: Optional[torch.nn.Module], params: Sequence[torch.Tensor]) -> bool:
+def store_flat(model: Optional[torch.nn.Module], params: Sequence[torch.Tensor]) -> Optional[str]:
     """Stores what travels in one new contiguous buffer, in its order: each parameter and
     buffer keeps its values and becomes a view of it (its ``.data`` re-pointed, as apex and
-    FSDP do), so a commit's kernels run on one flat tensor, not one per tensor. Only when
-    they share a dtype and a device and each owns its whole storage (no views of one
-    another, nothing empty); returns whether it did. What held a tensor's old ``.data``
-    (not the tensor itself) no longer sees the model."""
+    FSDP do), so a commit's kernels run on one flat tensor, not one per tensor. Returns None
+    when it did, else why not (the model is then left as it was). Whatever was derived from
+    a tensor's storage before (``.data``, a view, a state_dict's tensors) no longer sees the
+    model."""
     _, owners = _travelling(model, params)
-    if not owners or FlatTensors.of([t.data for t in owners]) is not None:
-        return False   # nothing to store, or stored flat already
+    why = _why_not_flat(model, owners)
+    if why is not None:
+        return why
     first = owners[0]
-    if any(t.dtype != first.dtype or t.device != first.device or t.numel() == 0
-           or t.storage_offset() != 0 or not t.is_contiguous()
-           or t.untyped_storage().nbytes() != t.numel() * t.element_size() for t in owners):
-        return False
-    flat = torch.empty(sum(t.numel() for t in owners), dtype=first.dtype, device=first.device)
+    try:
+        flat = torch.empty(sum(t.numel() for t in owners), dtype=first.dtype,
+                           device=first.device)
+    except RuntimeError as exc:   # torch's OutOfMemoryError: the old storage is still held
+        if "out of memory" not in str(exc).lower():
+            raise
+        return f"no {first.device} memory for a second copy of the model while it moves"
     off = 0
     with torch.no_grad():
         for t in owners:
@@ -69,7 +74,35 @@ def store_flat(model: Optional[torch.nn.Module], params: Sequence[torch.Tensor])
             view.copy_(t.data)
             t.data = view
             off += t.numel()
-    return True
+    return None
+
+
+def _why_not_flat(model, owners: list) -> Optional[str]:
+    """Why `owners` cannot be stored flat, or None: each must own its whole storage, and no
+    storage may hold two of the model's tensors (tied weights stay tied only in place)."""
+    if not owners:
+        return "nothing travels"
+    if FlatTensors.of([t.data for t in owners]) is not None:
+        return "stored flat already"
+    first = owners[0]
+    if len({id(t) for t in owners}) != len(owners):
+        return "a parameter is listed twice"
+    for t in owners:
+        if t.dtype != first.dtype or t.device != first.device:
+            return "its tensors differ in dtype or device"
+        if t.dtype not in _FLOATS or t.numel() == 0:
+            return "a tensor is empty or not fp32, fp16 or bf16"
+        if (t.storage_offset() != 0 or not t.is_contiguous()
+                or t.untyped_storage().nbytes() != t.numel() * t.element_size()):
+            return "a tensor is a view of a larger storage"
+    others = [] if model is None else [
+        t for named in (model.named_parameters(remove_duplicate=False),
+                        model.named_buffers(remove_duplicate=False)) for _, t in named]
+    tensors = {id(t): t for t in [*owners, *others] if t.numel() > 0}.values()
+    storages = [t.untyped_storage().data_ptr() for t in tensors]
+    if len(set(storages)) != len(storages):
+        return "two of its tensors share memory"
+    return None
 
 
 def signature(names: Sequence[str], tensors: Sequence[torch.Tensor]) -> list[tuple]:

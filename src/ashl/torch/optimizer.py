@@ -134,8 +134,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
                          gradient_predivide_factor: float = 1.0, num_groups: int = 0,
                          groups=None, sparse_as_dense: bool = False, process_set=None, *,
                          model: Optional[torch.nn.Module] = None, sampler=None,
-                         strategy: str = "ashl", staleness: int = 3, flat_storage: bool = True,
-                         **config):
+                         strategy: str = "ashl", staleness: int = 3,
+                         flat_storage: Optional[bool] = None, **config):
     """Wrap ``optimizer`` for heterogeneity-aware training, as ``hvd.DistributedOptimizer``.
 
     Horovod's arguments come first, in Horovod's order, and mean what they mean there where a
@@ -157,10 +157,14 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     staleness: SHL's bound s (a rank at most s commits ahead of the slowest); strategy
         "ssp": its bound.
     flat_storage: store the parameters and floating-point buffers that travel in one
-        contiguous buffer, each a view of it (default True, when they share a dtype and a
-        device), so a commit's kernels run once on that buffer, not once per tensor. The
-        tensors themselves stay the model's, with their values; only a reference taken
-        earlier to a tensor's ``.data`` stops seeing the model. False leaves them alone.
+        contiguous buffer, each a view of it (when they share a dtype and a device and no
+        two share memory), so a commit's kernels run once on that buffer, not once per
+        tensor. The tensors stay the model's own objects with their values; whatever was
+        derived from their storage before (a ``.data``, a view, a state_dict's tensors)
+        stops seeing the model. Default (None): on for a CPU model, off for a GPU model
+        (the CUDA kernels take many tensors in one launch, and views packed back to back
+        lose the alignment torch's vectorised kernels want) and for "bsp" (its parameters
+        never pass through the kernels).
     config: strategy options (outer_optimizer: "none", "nesterov(lr, momentum)" or
         "delayed-nesterov(lr, momentum, n)", applied to the merged deltas (ashl.outer);
         local_steps for localsgd, diloco and async-localsgd; profile_steps, staleness_fn,
@@ -191,10 +195,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         named_parameters = list(named_parameters)
     params = _params(optimizer, model, named_parameters)
     kwargs = _strategy_options(strategy, staleness, config)
-    if not isinstance(flat_storage, bool):
-        raise ValueError(f"flat_storage must be True or False, got {flat_storage!r}")
-    if flat_storage:
-        store_flat(model, params)
+    _store_flat(model, params, strategy, flat_storage)
     try:
         engine = make_strategy(strategy, model, params, sampler=sampler,
                                compression=compression, **kwargs)
@@ -219,6 +220,22 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     engine.backward_passes_per_step = backward_passes_per_step
     leave_at_exit(wrapped)
     return wrapped
+
+
+def _store_flat(model, params, strategy: str, flat_storage: Optional[bool]) -> None:
+    """flat_storage=: the model stored flat (model_state.store_flat) where asked or, by
+    default, where it pays; a refusal asked for explicitly is logged as a warning."""
+    if flat_storage is not None and not isinstance(flat_storage, bool):
+        raise ValueError(f"flat_storage must be True, False or None, got {flat_storage!r}")
+    asked = flat_storage is True
+    if flat_storage is None:
+        flat_storage = strategy != "bsp" and params[0].device.type == "cpu"
+    if flat_storage:
+        why = store_flat(model, params)
+        if why is not None and why != "stored flat already":
+            log.log(logging.WARNING if asked else logging.INFO,
+                    "flat_storage: the model is not stored flat (%s): its kernels run "
+                    "tensor by tensor", why)
 
 
 def _params(optimizer, model, named_parameters) -> list:
