@@ -341,9 +341,15 @@ WEIGHTS = [1.0, 0.3, -1.7]
 @pytest.mark.parametrize("ddt,edt", DTYPE_PAIRS, ids=PAIR_IDS)
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("weight", WEIGHTS)
-@pytest.mark.parametrize("mode", MODES)
-def test_merge_dense(device, ddt, edt, n, weight, mode):
-    check_merge_dense(device, shapes_for(n), ddt, edt, weight, seed=n + 3, mode=mode)
+def test_merge_dense(device, ddt, edt, n, weight):
+    check_merge_dense(device, shapes_for(n), ddt, edt, weight, seed=n + 3)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("ddt,edt", DTYPE_PAIRS, ids=PAIR_IDS)
+@pytest.mark.parametrize("n", SIZES)
+def test_merge_dense_into_out(device, ddt, edt, n):
+    check_merge_dense(device, shapes_for(n), ddt, edt, WEIGHTS[2], seed=n + 5, mode="out")
 
 
 @pytest.mark.parametrize("device", DEVICES)
