@@ -157,11 +157,7 @@ class Residual:
                 raise ValueError(f"params[{i}] is {p.dtype}; error feedback needs fp32 parameters")
         device = params[0].device if params else torch.device("cpu")
         self.flat = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32, device=device)
-        views, off = [], 0
-        for p in params:
-            views.append(self.flat[off:off + p.numel()].view(p.shape))
-            off += p.numel()
-        self.views = kernels.FlatTensors(views, self.flat)
+        self.views = kernels.FlatTensors(kernels.views_like(self.flat, params), self.flat)
 
     def zero_(self) -> "Residual":
         self.flat.zero_()

@@ -28,7 +28,7 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 __all__ = [
     "pack_delta", "unpack_assign", "unpack_add", "merge_dense", "merge_sparse",
     "weighted_sum", "flat_numel", "flat_offsets", "cuda_available", "set_num_threads",
-    "num_threads", "FlatTensors", "clone_tensors", "flat_forms",
+    "num_threads", "FlatTensors", "clone_tensors", "flat_forms", "views_like",
     "cpu_isa",
     "set_cpu_isa",
     "supported_cpu_isas",
@@ -124,10 +124,11 @@ class FlatTensors(tuple):
     def clone(self) -> "FlatTensors":
         """A copy in a new flat buffer, viewed the same way."""
         flat = self.flat.clone()
-        return FlatTensors(_views(flat, self), flat, self.numels)
+        return FlatTensors(views_like(flat, self), flat, self.numels)
 
 
-def _views(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def views_like(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of ``flat`` shaped like ``like``'s tensors, back to back in list order."""
     out, off = [], 0
     for t in like:
         out.append(flat[off:off + t.numel()].view(t.shape))

@@ -173,7 +173,7 @@ def test_store_flat_leaves_what_it_cannot_store_as_it_is():
     refused(net, list(net.parameters()), "two of its tensors share memory")
 
 
-def test_the_default_stores_a_cpu_model_flat_but_not_for_bsp(monkeypatch):
+def test_the_default_stores_a_cpu_model_flat_but_not_for_bsp():
     from ashl.torch import optimizer as api
     for strategy, expected in (("ashl", True), ("bsp", False)):
         model = Net()

@@ -89,8 +89,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     result = run_benchmark(device=args.device, repeat=args.repeat, warmup=args.warmup,
                            quick=args.quick, lists=args.lists, ops=args.ops,
-                           threads=args.threads, seed=args.seed,
-                           storage=args.storage or ("flat" if args.device == "cpu" else "separate"))
+                           threads=args.threads, seed=args.seed, storage=args.storage)
     print(format_table(result))
     if args.json:
         d = os.path.dirname(os.path.abspath(args.json))
@@ -441,10 +440,12 @@ assert list(_BUILDERS) == OPS
 
 def run_benchmark(device: str = "cpu", repeat: Optional[int] = None, warmup: int = 2,
                   quick: bool = False, lists=LISTS, ops=OPS, threads: Optional[int] = None,
-                  seed: int = 0, storage: str = "flat", log=print) -> dict:
+                  seed: int = 0, storage: Optional[str] = None, log=print) -> dict:
+    """``storage`` None: as ashl.DistributedOptimizer stores a model on ``device``."""
     import ashl.kernels as K
 
     dev = torch.device(device)
+    storage = storage or ("flat" if dev.type == "cpu" else "separate")
     if threads is not None:
         torch.set_num_threads(threads)
         K.set_num_threads(threads)

@@ -6,7 +6,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..kernels import FlatTensors
+from ..kernels import FlatTensors, views_like
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -67,13 +67,10 @@ def store_flat(model: Optional[torch.nn.Module], params: Sequence[torch.Tensor])
         if "out of memory" not in str(exc).lower():
             raise
         return f"no {first.device} memory for a second copy of the model while it moves"
-    off = 0
     with torch.no_grad():
-        for t in owners:
-            view = flat[off:off + t.numel()].view(t.shape)
+        for t, view in zip(owners, views_like(flat, owners)):
             view.copy_(t.data)
             t.data = view
-            off += t.numel()
     return None
 
 
