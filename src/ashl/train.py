@@ -6,7 +6,8 @@
 
 Every rank trains with ``ashl.torch.DistributedOptimizer`` (any strategy of
 ``ashl.strategies.STRATEGIES``) on an embedded dataset; rank 0 evaluates the test accuracy
-(the ``evaluate=`` callback, so the run can stop on ``--target-accuracy``), shows a progress
+(the ``evaluate=`` callback, so the run can stop on ``--target-accuracy``; by default on a
+snapshot, in a thread beside its training: ``--eval-in-background``), shows a progress
 line on stderr and writes to ``--out``:
 
     metrics.jsonl   one line per evaluation: t (seconds since the start, profiling
@@ -44,6 +45,7 @@ import json
 import math
 import os
 import sys
+import threading
 import time
 from typing import Optional, Sequence
 
@@ -93,6 +95,9 @@ def build_parser(prog: str = PROG) -> OneLineParser:
                         "async-localsgd): host memory, or its --device (default: host)")
     add_checkpoint_options(p)
     p.add_argument("--out", default=os.path.join("out", "train"), help="output directory")
+    p.add_argument("--eval-in-background", action=argparse.BooleanOptionalAction, default=True,
+                   help="rank 0 evaluates a snapshot of the model in a thread while it trains "
+                        "on (ashl.torch.BackgroundEvaluator), instead of between its steps")
     p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     return p
 
@@ -325,20 +330,20 @@ class Evaluator:
     def __call__(self) -> float:
         t0 = time.perf_counter()
         try:
-            return self._accuracy()
+            return self.accuracy_of(self.model)
         finally:
             self.spent_s += time.perf_counter() - t0
 
-    def _accuracy(self) -> float:
+    def accuracy_of(self, model) -> float:
         import torch
-        was_training = self.model.training
+        was_training = model.training
         with torch.no_grad():
-            self.model.eval()
+            model.eval()
             correct = 0
             for i in range(0, len(self.y), self.batch):
-                out = self.model(self.x[i:i + self.batch])
+                out = model(self.x[i:i + self.batch])
                 correct += (out.argmax(1) == self.y[i:i + self.batch]).sum().item()
-            self.model.train(was_training)
+            model.train(was_training)
         return correct / max(1, len(self.y))
 
 
@@ -361,17 +366,19 @@ class MetricsLog:
     def __init__(self, path: str, start: float):
         self.path, self.start = path, start
         self.file = open(path, "w")
+        self.lock = threading.Lock()              # a background evaluation writes too
         self.last_at: Optional[float] = None      # time.perf_counter() of the last row
         self.accuracy: Optional[float] = None     # the last row's
 
     def write(self, accuracy: float, stage: str, loss: Optional[float],
               commits: Optional[int], by: str) -> None:
-        now = time.perf_counter()
-        row = {"t": round(now - self.start, 4), "stage": stage, "loss": loss,
-               "accuracy": accuracy, "commits": commits, "by": by}
-        self.file.write(json.dumps(row) + "\n")
-        self.file.flush()
-        self.last_at, self.accuracy = now, accuracy
+        with self.lock:
+            now = time.perf_counter()     # when the accuracy is known
+            row = {"t": round(now - self.start, 4), "stage": stage, "loss": loss,
+                   "accuracy": accuracy, "commits": commits, "by": by}
+            self.file.write(json.dumps(row) + "\n")
+            self.file.flush()
+            self.last_at, self.accuracy = now, accuracy
 
     def close(self) -> None:
         self.file.close()
@@ -440,6 +447,7 @@ class Run:
         self.hetero = Heterogeneity.for_rank(rank, args.compute_factors, args.link_factors,
                                              args.link, step_time(args))
         self.evaluate = Evaluator(self.model, data.test, self.device)
+        self.background = None      # rank 0's BackgroundEvaluator (--eval-in-background)
         self.loss = SmoothedLoss()
         self.opt = None
         self.checkpoints: Optional[Checkpoints] = None
@@ -455,10 +463,16 @@ class Run:
         self.begin()
         self.train_epochs()
         self.opt.finish()
+        if self.background is not None:
+            self.background.close()       # an evaluation in flight writes its row first
         if self.checkpoints is not None:
             self.checkpoints.save()       # the final model, on every rank
         wall = time.perf_counter() - self.start
-        eval_s = self.evaluate.spent_s          # within the wall time: not the final one
+        # within the wall time, not the final one: every evaluation this rank ran between
+        # its steps, or (in the background) the snapshots and waits the strategy counted
+        eval_s = self.evaluate.spent_s
+        if self.background is not None:
+            eval_s += self.opt.counters()["eval_s"]
         final_accuracy = self.evaluate() if self.lead else None
         if self.args.fault_tolerant:   # no collective may involve a lost rank: each its own
             everyone = [self.rank_result(wall, eval_s)]
@@ -521,7 +535,9 @@ class Run:
             if a.resume:
                 self.resume()
         if self.lead:
-            self.record(self.evaluate(), "start")   # the curves start from the initial model
+            if a.eval_in_background:
+                self.background = ashl.BackgroundEvaluator(self.model, self.evaluate.accuracy_of)
+            self.evaluate_now("start")   # the curves start from the initial model
             self.progress = Progress(not a.no_progress, a.strategy)
             self.announce_join_address()
 
@@ -564,11 +580,29 @@ class Run:
             self.opt.finish()
             raise OptionError(f"--resume: {failed[0]}")
 
-    def on_evaluate(self) -> float:
-        """The strategy's callback (rank 0): test accuracy of the model it just received."""
-        accuracy = self.evaluate()
-        self.record(accuracy, "strategy")
-        return accuracy
+    def on_evaluate(self):
+        """The strategy's callback (rank 0): test accuracy of the model it just received, or
+        (in the background) a Future of it."""
+        return self.evaluate_now("strategy")
+
+    def evaluate_now(self, by: str):
+        """Evaluate the model as it is now and write its row: at once, or (in the
+        background) when the accuracy is known; returns the accuracy or its Future."""
+        if self.background is None:
+            accuracy = self.evaluate()
+            self.record(accuracy, by)
+            return accuracy
+        now = self.context()          # the row says what held when the snapshot was taken
+        pending = self.background()
+        pending.add_done_callback(
+            lambda done: done.exception() is None and self.record(done.result(), by, now))
+        return pending
+
+    def context(self) -> tuple:
+        """(stage, commits, smoothed loss) for a metrics row."""
+        if self.opt is None:   # an evaluation before the optimizer is built
+            return "PROFILE", None, self.loss.value
+        return self.opt.stage, self.commits(), self.loss.value
 
     def commits(self) -> int:
         """The run's commits where the strategy knows them, else this rank's."""
@@ -576,12 +610,9 @@ class Run:
         total = strategy.global_commits
         return int(strategy.commits) if total is None else total
 
-    def record(self, accuracy: float, by: str) -> None:
-        if self.opt is None:   # an evaluation before the optimizer is built
-            stage, commits = "PROFILE", None
-        else:
-            stage, commits = self.opt.stage, self.commits()
-        self.metrics.write(accuracy, stage, self.loss.value, commits, by)
+    def record(self, accuracy: float, by: str, context: Optional[tuple] = None) -> None:
+        stage, commits, loss = self.context() if context is None else context
+        self.metrics.write(accuracy, stage, loss, commits, by)
 
     # -------------------------------------------------------------- training
     def train_epochs(self) -> None:
@@ -613,8 +644,8 @@ class Run:
         self.loss.add(loss)
         now = time.perf_counter()
         if now - (self.metrics.last_at or self.start) > self.fallback_after \
-                and not self.opt.finished:
-            self.record(self.evaluate(), "loop")
+                and not self.opt.finished and not (self.background and self.background.busy):
+            self.evaluate_now("loop")
             # between two steps: not the next step's compute (busy counts it once, as an
             # evaluation), nor stretched by an emulated slowdown
             self.opt.strategy.clock.pause(time.perf_counter() - now)
@@ -630,12 +661,14 @@ class Run:
 
     # -------------------------------------------------------------- the end
     def rank_result(self, wall: float, eval_s: float) -> dict:
-        """What every rank sends rank 0 for the summary (`evaluator_s`: every evaluation it
-        ran within `wall`, the loop's and the start's too; its counters' eval_s has only the
-        strategy's)."""
+        """What every rank sends rank 0 for the summary (`evaluator_s`: the time evaluations
+        held it within `wall`, the loop's and the start's too; its counters' eval_s has only
+        the strategy's; `background_evaluator_s`: the evaluation thread's seconds)."""
         link = self.hetero.link
         return {"rank": self.opt.strategy.rank, "device": str(self.device), "wall_s": wall,
                 "evaluator_s": eval_s,
+                "background_evaluator_s": (None if self.background is None
+                                           else self.background.spent_s),
                 "counters": _jsonable(self.opt.counters()),
                 "checkpoints_saved": 0 if self.checkpoints is None else self.checkpoints.saves,
                 "compute_factor": self.hetero.compute_factor,

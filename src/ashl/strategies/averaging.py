@@ -97,7 +97,6 @@ class ModelAveragingStrategy(Strategy):
             self.flat[:self.numel])
         self.anchors: Optional[list[torch.Tensor]] = None
         self.plan_t = 0.0                    # seconds since t0 when the plan was made
-        self.pending_accuracy: Optional[float] = None   # control rank: not yet sent
         self.idle_s = 0.0
         self._round_start = time.perf_counter()   # for the busy slot
         self._between_passes = False          # this rank's pass ended: no round until the next
@@ -156,8 +155,9 @@ class ModelAveragingStrategy(Strategy):
         control.copy_(self.slots.encode(
             self.rank, loss=self.loss.commit(), busy=busy, control=self.rank == 0,
             elapsed=time.monotonic() - self.t0, plan_t=self.plan_t,
-            accuracy=self.pending_accuracy, present=not final, epoch_done=epoch_done))
-        self.pending_accuracy = None
+            # the control rank's evaluation of the anchors, started after the last round
+            accuracy=self.evaluations.take(wait=True) if self.rank == 0 else None,
+            present=not final, epoch_done=epoch_done))
         # An emulated slow link delays this rank's contribution; the allreduce then ends no
         # sooner than the slowest rank's data arrives, as on a real network.
         self.hetero.depart(4 * self.flat.numel())
@@ -176,7 +176,7 @@ class ModelAveragingStrategy(Strategy):
             self.timeline.instant("eval", accuracy=reading.accuracy)
         self._follow_machine(self._machine)
         if self.rank == 0 and not self.finished:
-            self.pending_accuracy = self.evaluations.maybe()
+            self.evaluations.start()     # of params = anchors, which hold until the next merge
         self._round_start = time.perf_counter()
         return reading
 

@@ -24,6 +24,7 @@ import logging
 import math
 import socket
 import time
+from concurrent.futures import Future
 from typing import Callable, Optional
 
 import torch
@@ -122,9 +123,14 @@ class StepClock:
 
 
 class Evaluations:
-    """The user's ``evaluate`` callback on the control rank, at most every ``every_s``."""
+    """The user's ``evaluate`` callback on the control rank, at most every ``every_s``.
 
-    def __init__(self, evaluate: Optional[Callable[[], float]], every_s: float):
+    The callback returns the accuracy, or a ``concurrent.futures.Future`` of it: an
+    evaluation run in the background (``ashl.torch.BackgroundEvaluator``) while the rank
+    trains on. One evaluation is in flight at most. ``spent_s`` counts only the time the
+    rank was held (the whole evaluation, or the snapshot that starts a background one)."""
+
+    def __init__(self, evaluate: Optional[Callable[[], object]], every_s: float):
         if not (isinstance(every_s, (int, float)) and not isinstance(every_s, bool)
                 and math.isfinite(every_s) and every_s >= 0):
             raise ValueError(f"eval_every_s must be a number >= 0, got {every_s!r}")
@@ -132,16 +138,49 @@ class Evaluations:
         self.last_at = float("-inf")
         self.last_accuracy: Optional[float] = None
         self.spent_s = 0.0
+        self.pending = None          # the Future of the evaluation in flight
+        self.saved = None            # what start()'s `save` returned for the one taken last
+        self._pending_saved = None
 
     def maybe(self) -> Optional[float]:
-        """The accuracy of the model this rank holds now, if an evaluation is due."""
-        if self.evaluate is None or time.monotonic() - self.last_at < self.every_s:
-            return None
+        """The accuracy of the model this rank holds now, if an evaluation is due (waiting
+        for it if it runs in the background)."""
+        self.start()
+        return self.take(wait=True)
+
+    def start(self, save: Optional[Callable[[], object]] = None) -> bool:
+        """Start an evaluation of the model held now if one is due and none is in flight;
+        `save()` keeps what the strategy needs if this evaluation ends the run."""
+        if (self.evaluate is None or self.pending is not None
+                or time.monotonic() - self.last_at < self.every_s):
+            return False
         self.last_at = time.monotonic()
         t0 = time.perf_counter()
-        self.last_accuracy = float(self.evaluate())
+        result = self.evaluate()
+        self._pending_saved = None if save is None else save()
         self.spent_s += time.perf_counter() - t0
+        self.pending = result if isinstance(result, Future) else _done(result)
+        return True
+
+    def take(self, wait: bool) -> Optional[float]:
+        """The accuracy of the evaluation in flight once it is done (`wait`: wait for it)."""
+        if self.pending is None or not (wait or self.pending.done()):
+            return None
+        t0 = time.perf_counter()
+        pending, self.pending = self.pending, None
+        try:
+            accuracy = pending.result()
+        finally:
+            self.spent_s += time.perf_counter() - t0   # any wait for it held the rank
+        self.saved, self._pending_saved = self._pending_saved, None
+        self.last_accuracy = float(accuracy)
         return self.last_accuracy
+
+
+def _done(value) -> Future:
+    future: Future = Future()
+    future.set_result(value)
+    return future
 
 
 def loss_value(loss) -> Optional[float]:

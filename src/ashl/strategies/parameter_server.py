@@ -382,12 +382,15 @@ class ServerStrategy(Strategy):
         self._flight = (start, stage, commit.number)
 
     def _between_steps(self) -> None:
-        """After every local step: take the in-flight commit's reply if it has arrived."""
-        if self.client.inflight is None:
+        """After every local step: take the in-flight commit's reply if it has arrived, and
+        a background evaluation's result once it is done."""
+        if self.client.inflight is None and self.evaluations.pending is None:
             return
-        self.overlap_counts["overlapped_steps"] += 1   # the step just taken overlapped it
         t0, evals = time.perf_counter(), self.evaluations.spent_s
-        self._land(wait=False)
+        if self.client.inflight is not None:
+            self.overlap_counts["overlapped_steps"] += 1   # the step just taken overlapped it
+            self._land(wait=False)
+        self._take_evaluation()
         evaluating = self.evaluations.spent_s - evals
         self.clock.exclude(time.perf_counter() - t0 - evaluating)
         self.clock.pause(evaluating)
@@ -449,12 +452,24 @@ class ServerStrategy(Strategy):
                      else "the server ended the run" if reply.stop and not final else None)
 
     def _evaluate(self) -> None:
-        """Server rank: the evaluation callback on the model just received; a target met
-        stops the run (the server thread answers the ranks it holds back) and that model,
-        not one with the commits merged while it was evaluated, is the final one."""
+        """Server rank, on the model just received (W): start an evaluation if one is due.
+        It may run in the background; its result is taken between later steps."""
         if self.finished or not self.is_server:
             return
-        accuracy = self.evaluations.maybe()
+        keep = self.stage_config.target_accuracy is not None
+        self.evaluations.start(save=self._flat_copy if keep else None)
+        self._take_evaluation()       # one that returned at once
+
+    def _flat_copy(self) -> torch.Tensor:
+        return torch.cat([t.detach().reshape(-1).float() for t in self.tensors])
+
+    def _take_evaluation(self) -> None:
+        """A finished evaluation's accuracy goes to the coordinator: a target met stops the
+        run (the server thread answers the ranks it holds back) and the evaluated model, not
+        one with the commits merged since, is the final one."""
+        if self.finished or not self.is_server:
+            return
+        accuracy = self.evaluations.take(wait=False)
         if accuracy is None:
             return
         with self.mc.lock:
@@ -463,8 +478,7 @@ class ServerStrategy(Strategy):
             self.mc.coordinator.on_evaluation(accuracy=accuracy)
             done, reason = machine.done, machine.stop_reason
         if done and not was_done and reason.startswith("target accuracy"):
-            self._evaluated_model = torch.cat([t.detach().reshape(-1).float()
-                                               for t in self.tensors])
+            self._evaluated_model = self.evaluations.saved
         if done:
             self.server.request_stop(reason)
         self.timeline.instant("eval", accuracy=accuracy)

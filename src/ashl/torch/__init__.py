@@ -9,9 +9,10 @@ background thread finalise MPI at once, under whatever the rank's main thread is
 from mpi4py import MPI as _MPI  # noqa: F401 - see above
 
 from ..compression import Compression
+from .evaluation import BackgroundEvaluator
 from .functions import broadcast_optimizer_state, broadcast_parameters
 from .optimizer import DistributedOptimizer
 from .sampler import HeterogeneousSampler
 
-__all__ = ["DistributedOptimizer", "HeterogeneousSampler", "Compression",
+__all__ = ["DistributedOptimizer", "HeterogeneousSampler", "Compression", "BackgroundEvaluator",
            "broadcast_parameters", "broadcast_optimizer_state"]

@@ -1,0 +1,144 @@
+"""Evaluations (the strategies' cadence and the one evaluation in flight) and
+BackgroundEvaluator (a snapshot evaluated in a thread)."""
+import threading
+import time
+from concurrent.futures import Future
+
+import pytest
+import torch
+
+import ashl.torch as ashl
+from ashl.stages import StageConfig
+from ashl.strategies.base import Evaluations
+from fake_world import FakeWorld
+
+
+def test_an_accuracy_returned_at_once_is_taken_at_once_and_keeps_the_cadence():
+    e = Evaluations(lambda: 0.5, every_s=60)
+    assert e.start(save=lambda: "model") and e.take(wait=False) == 0.5
+    assert e.saved == "model" and e.last_accuracy == 0.5
+    assert not e.start() and e.take(wait=False) is None      # not due for 60 s
+    assert e.maybe() is None
+
+
+def test_a_future_is_taken_once_done_and_no_second_starts_while_it_runs():
+    pending, calls = Future(), []
+    e = Evaluations(lambda: calls.append(1) or pending, every_s=0)
+    assert e.start(save=lambda: "snapshot")
+    assert e.take(wait=False) is None and e.saved is None
+    assert not e.start() and len(calls) == 1                  # one in flight at most
+    pending.set_result(0.75)
+    assert e.take(wait=False) == 0.75 and e.saved == "snapshot"
+    assert e.take(wait=False) is None                         # taken once
+    assert e.start()                                          # the next one may start
+
+
+def test_waiting_for_a_background_evaluation_counts_as_time_held():
+    pending = Future()
+    threading.Timer(0.05, pending.set_result, (0.9,)).start()
+    e = Evaluations(lambda: pending, every_s=0)
+    assert e.maybe() == 0.9
+    assert e.spent_s >= 0.04
+
+
+def test_an_evaluation_that_failed_raises_where_it_is_taken():
+    pending = Future()
+    e = Evaluations(lambda: pending, every_s=0)
+    e.start()
+    pending.set_exception(RuntimeError("the test set is gone"))
+    with pytest.raises(RuntimeError, match="the test set is gone"):
+        e.take(wait=False)
+    assert e.pending is None
+
+
+def _sum_of_weights(model):
+    return float(sum(p.sum() for p in model.parameters()))
+
+
+def test_the_background_evaluator_evaluates_the_model_as_it_was_when_called():
+    model = torch.nn.Linear(3, 2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(1.0)
+    threads = []
+
+    def accuracy_of(snapshot):
+        threads.append(threading.current_thread())
+        assert snapshot is not model and not snapshot.training
+        return _sum_of_weights(snapshot)
+
+    evaluator = ashl.BackgroundEvaluator(model, accuracy_of)
+    pending = evaluator()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(5.0)                                   # training goes on
+    assert pending.result(timeout=10) == 8.0               # 6 weights + 2 biases, all 1
+    assert threads == [threads[0]] and threads[0] is not threading.current_thread()
+    assert model.training                                  # the live model's mode is kept
+    assert evaluator().result(timeout=10) == 40.0
+    evaluator.close()
+    assert evaluator.evaluations == 2 and evaluator.spent_s > 0
+
+
+def test_a_call_while_one_is_in_flight_waits_instead_of_overwriting_its_snapshot():
+    model = torch.nn.Linear(1, 1, bias=False)
+    release, entered = threading.Event(), threading.Event()
+
+    def accuracy_of(snapshot):
+        entered.set()
+        release.wait(10)
+        return float(snapshot.weight)
+
+    evaluator = ashl.BackgroundEvaluator(model, accuracy_of)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    first = evaluator()
+    entered.wait(10)
+    assert evaluator.busy
+    with torch.no_grad():
+        model.weight.fill_(2.0)
+    threading.Timer(0.05, release.set).start()
+    t0 = time.perf_counter()
+    second = evaluator()                       # waits for the first before copying
+    assert time.perf_counter() - t0 >= 0.04
+    assert first.result(timeout=10) == 1.0 and second.result(timeout=10) == 2.0
+    evaluator.close()
+
+
+def test_a_run_stopped_by_a_background_evaluation_keeps_the_model_it_evaluated():
+    """localsgd evaluates the anchors after a round and takes the accuracy at the next
+    exchange; a target met there keeps that model on every rank."""
+    def rank_fn(comm, hvd):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        g = torch.Generator().manual_seed(comm.Get_rank())
+        x, y = torch.randn(64, 4, generator=g), torch.randint(0, 3, (64,), generator=g)
+        evaluated = []
+
+        def accuracy_of(snapshot):
+            flat = torch.cat([p.reshape(-1) for p in snapshot.parameters()]).clone()
+            evaluated.append(flat)
+            return 0.95 if len(evaluated) >= 3 else 0.1
+
+        evaluate = ashl.BackgroundEvaluator(model, accuracy_of) if comm.Get_rank() == 0 else None
+        opt = ashl.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.05), model=model, strategy="localsgd",
+            comm=comm, hvd=hvd, local_steps=2, eval_every_s=0, evaluate=evaluate,
+            stage_config=StageConfig(target_accuracy=0.9, max_commits=10_000))
+        step = 0
+        while not opt.finished:
+            opt.zero_grad()
+            i = (step * 8) % 64
+            torch.nn.functional.cross_entropy(model(x[i:i + 8]), y[i:i + 8]).backward()
+            opt.step()
+            step += 1
+        opt.finish()
+        if evaluate is not None:
+            evaluate.close()
+        return {"flat": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+                "evaluated": evaluated, "reason": opt.counters()["stop_reason"]}
+
+    results = FakeWorld(2).run(rank_fn)
+    assert all(r["reason"].startswith("target accuracy: 0.95") for r in results)
+    assert torch.equal(results[0]["flat"], results[1]["flat"])
+    assert torch.equal(results[0]["flat"], results[0]["evaluated"][2])
