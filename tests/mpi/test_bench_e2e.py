@@ -268,3 +268,31 @@ def test_two_strategies_on_two_ranks(tmp_path):
         assert f"plot:    {out.parent / png}" in proc.stdout
     assert "| of ideal |" in md
     print(f"e2e with 2 strategies on 2 ranks: {took:.0f} s")
+
+
+def test_scale_writes_its_report_where_json_says_even_when_out_is_elsewhere(tmp_path, monkeypatch):
+    """The report's folder is made before the runs (a missing one lost every run's result
+    after the last); the runs themselves are replaced here: only the report is under test."""
+    import argparse
+    from ashl.bench import scale
+    p = argparse.ArgumentParser()
+    scale.add_arguments(p)
+    json_path = tmp_path / "report" / "nested" / "scale.json"
+    args = p.parse_args(["--strategies", "ashl", "--ranks", "4,8", "--out", str(tmp_path / "runs"),
+                         "--json", str(json_path)])
+    seen = []
+
+    def fake_run_all(a, setup, out):
+        seen.append((a.ranks, out))
+        return [{"strategy": "ashl", "status": "ok", "throughput_fraction": 0.9,
+                 "samples_per_s": 100.0 * a.ranks, "ideal_samples_per_s": 111.0 * a.ranks,
+                 "utilization": [0.9] * a.ranks, "final_accuracy": 0.97, "overruns": 0,
+                 "emulated_steps": 10, "run_dir": out}]
+
+    monkeypatch.setattr(scale.e2e, "run_all", fake_run_all)
+    assert scale.run(args) == 0
+    assert [n for n, _ in seen] == [4, 8] and all(o.startswith(str(tmp_path / "runs"))
+                                                  for _, o in seen)
+    report = json.loads(json_path.read_text())
+    assert [r["ranks"] for r in report["rows"]] == [4, 8]
+    assert "| ashl | 8 | 90% | 800 |" in (json_path.with_suffix(".md")).read_text()

@@ -150,6 +150,7 @@ def run(args) -> int:
     json_path = os.path.abspath(args.json)
     out = os.path.abspath(args.out) if args.out else os.path.dirname(json_path)
     os.makedirs(out, exist_ok=True)
+    os.makedirs(os.path.dirname(json_path), exist_ok=True)   # before the runs, not after
     rows, scenarios = [], []
     for n, a, setup in setups:
         e2e.announce(a, setup)
