@@ -535,9 +535,11 @@ class Run:
             if a.resume:
                 self.resume()
         if self.lead:
+            # the curves start from the initial model, evaluated before any step (so that no
+            # test pass shares the CPU with the profiling steps)
+            self.record(self.evaluate(), "start")
             if a.eval_in_background:
                 self.background = ashl.BackgroundEvaluator(self.model, self.evaluate.accuracy_of)
-            self.evaluate_now("start")   # the curves start from the initial model
             self.progress = Progress(not a.no_progress, a.strategy)
             self.announce_join_address()
 
@@ -593,9 +595,13 @@ class Run:
             self.record(accuracy, by)
             return accuracy
         now = self.context()          # the row says what held when the snapshot was taken
+        t0 = time.perf_counter()
         pending = self.background()
-        pending.add_done_callback(
-            lambda done: done.exception() is None and self.record(done.result(), by, now))
+        if by != "strategy":          # the strategy counts the time its own calls hold it
+            self.evaluate.spent_s += time.perf_counter() - t0
+        if pending is not None:       # None: the evaluator was closed
+            pending.add_done_callback(
+                lambda done: done.exception() is None and self.record(done.result(), by, now))
         return pending
 
     def context(self) -> tuple:

@@ -156,3 +156,15 @@ def test_gloo_launch_is_refused_with_a_clear_error(tmp_path):
                       tmp_path / "r.json", timeout=90)
     assert proc.returncode != 0
     assert "ashl needs an MPI launch" in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("strategy", ["ashl", "localsgd", "bsp"])
+def test_a_background_evaluator_and_no_finish_call_exit_cleanly(tmp_path, strategy):
+    """The evaluation thread's pool is shut down at exit before ashl leaves the run there:
+    the exit must start no evaluation (it raised 'cannot schedule new futures', aborting
+    the job), and the evaluations taken during the run must have been counted."""
+    out = tmp_path / "result.json"
+    mpirun(3, Path(__file__).parent / "background_eval_script.py", "--strategy", strategy,
+           "--out", out, timeout=180)
+    result = json.loads(out.read_text())
+    assert result["evaluations"] >= 1 and result["accuracy"] is not None

@@ -16,7 +16,7 @@ from fake_world import FakeWorld
 def test_an_accuracy_returned_at_once_is_taken_at_once_and_keeps_the_cadence():
     e = Evaluations(lambda: 0.5, every_s=60)
     assert e.start(save=lambda: "model") and e.take(wait=False) == 0.5
-    assert e.saved == "model" and e.last_accuracy == 0.5
+    assert e.saved is None and e.last_accuracy == 0.5      # the model is still the one held
     assert not e.start() and e.take(wait=False) is None      # not due for 60 s
     assert e.maybe() is None
 
@@ -105,9 +105,11 @@ def test_a_call_while_one_is_in_flight_waits_instead_of_overwriting_its_snapshot
     evaluator.close()
 
 
-def test_a_run_stopped_by_a_background_evaluation_keeps_the_model_it_evaluated():
-    """localsgd evaluates the anchors after a round and takes the accuracy at the next
-    exchange; a target met there keeps that model on every rank."""
+@pytest.mark.parametrize("strategy, extra", [
+    ("localsgd", {"local_steps": 2}),     # evaluated after a round, taken at the next exchange
+    ("ashl", {"profile_steps": 3}),       # evaluated as the server's reply lands, taken later
+])
+def test_a_run_stopped_by_a_background_evaluation_keeps_the_model_it_evaluated(strategy, extra):
     def rank_fn(comm, hvd):
         torch.manual_seed(0)
         model = torch.nn.Linear(4, 3)
@@ -120,13 +122,15 @@ def test_a_run_stopped_by_a_background_evaluation_keeps_the_model_it_evaluated()
             evaluated.append(flat)
             return 0.95 if len(evaluated) >= 3 else 0.1
 
+        # made before the optimizer, which then moves the parameters into one flat buffer
         evaluate = ashl.BackgroundEvaluator(model, accuracy_of) if comm.Get_rank() == 0 else None
         opt = ashl.DistributedOptimizer(
-            torch.optim.SGD(model.parameters(), lr=0.05), model=model, strategy="localsgd",
-            comm=comm, hvd=hvd, local_steps=2, eval_every_s=0, evaluate=evaluate,
-            stage_config=StageConfig(target_accuracy=0.9, max_commits=10_000))
+            torch.optim.SGD(model.parameters(), lr=0.05), model=model, strategy=strategy,
+            comm=comm, eval_every_s=0, evaluate=evaluate,
+            **({} if strategy == "ashl" else {"hvd": hvd}),
+            stage_config=StageConfig(target_accuracy=0.9, max_commits=10_000), **extra)
         step = 0
-        while not opt.finished:
+        while not opt.finished and step < 2000:
             opt.zero_grad()
             i = (step * 8) % 64
             torch.nn.functional.cross_entropy(model(x[i:i + 8]), y[i:i + 8]).backward()
@@ -141,4 +145,65 @@ def test_a_run_stopped_by_a_background_evaluation_keeps_the_model_it_evaluated()
     results = FakeWorld(2).run(rank_fn)
     assert all(r["reason"].startswith("target accuracy: 0.95") for r in results)
     assert torch.equal(results[0]["flat"], results[1]["flat"])
+    assert len(results[0]["evaluated"]) == 3          # none started once the run stopped
     assert torch.equal(results[0]["flat"], results[0]["evaluated"][2])
+
+
+def test_the_copy_takes_every_buffer_and_holds_no_more_than_the_model():
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 8)
+            self.register_buffer("ema", torch.zeros(8), persistent=False)
+
+    model = Net()
+    from ashl.strategies.model_state import store_flat
+    # every tensor a view of one buffer, as DistributedOptimizer stores a CPU model
+    assert store_flat(model, list(model.parameters())) is None
+    evaluator = ashl.BackgroundEvaluator(model, lambda m: float(m.ema.sum()))
+    sizes = {t.untyped_storage().nbytes() for t in evaluator.snapshot.buffers()}
+    assert sizes == {8 * 4}      # not the whole flat model's storage
+    with torch.no_grad():
+        model.ema.fill_(1.0)
+    assert evaluator().result(timeout=10) == 8.0
+    evaluator.close()
+
+
+def test_a_closed_evaluator_starts_nothing():
+    evaluator = ashl.BackgroundEvaluator(torch.nn.Linear(1, 1), lambda m: 1.0)
+    evaluator.close()
+    assert evaluator() is None
+    e = Evaluations(evaluator, every_s=0)
+    assert not e.start() and e.pending is None and e.take(wait=True) is None
+
+
+def test_leaving_the_run_starts_no_evaluation_even_with_the_evaluator_gone():
+    """At interpreter exit the evaluation thread's pool is shut down before ashl leaves the
+    run for a script that never called finish(); closing the evaluator first is the same.
+    The last exchange lands a reply on the server rank, where an evaluation is due."""
+    def rank_fn(comm, hvd):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        x, y = torch.randn(64, 4), torch.randint(0, 3, (64,))
+        evaluate = (ashl.BackgroundEvaluator(model, lambda m: 0.1)
+                    if comm.Get_rank() == 0 else None)
+        opt = ashl.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.05), model=model, strategy="ashl",
+            comm=comm, eval_every_s=0, evaluate=evaluate, profile_steps=3,
+            stage_config=StageConfig(target_accuracy=0.9, max_commits=10_000))
+        for step in range(400):                    # the script's own loop, left while a
+            opt.zero_grad()                        # commit is in flight (its reply lands
+            torch.nn.functional.cross_entropy(model(x[:8]), y[:8]).backward()
+            opt.step()                             # in finish(), where one was evaluated)
+            if step >= 20 and opt.strategy.client.inflight is not None:
+                break
+        started = evaluate.evaluations if evaluate is not None else 0
+        if evaluate is not None:
+            evaluate.close()
+        opt.finish()
+        return {"started_after_close": (evaluate.evaluations - started) if evaluate else 0,
+                "reason": opt.counters()["stop_reason"]}
+
+    results = FakeWorld(2).run(rank_fn)
+    assert [r["started_after_close"] for r in results] == [0, 0]
+    assert all("finish()" in (r["reason"] or "finish()") for r in results)

@@ -141,6 +141,7 @@ class Evaluations:
         self.pending = None          # the Future of the evaluation in flight
         self.saved = None            # what start()'s `save` returned for the one taken last
         self._pending_saved = None
+        self.closed = False          # finish() has begun: no evaluation starts
 
     def maybe(self) -> Optional[float]:
         """The accuracy of the model this rank holds now, if an evaluation is due (waiting
@@ -149,17 +150,21 @@ class Evaluations:
         return self.take(wait=True)
 
     def start(self, save: Optional[Callable[[], object]] = None) -> bool:
-        """Start an evaluation of the model held now if one is due and none is in flight;
-        `save()` keeps what the strategy needs if this evaluation ends the run."""
-        if (self.evaluate is None or self.pending is not None
+        """Start an evaluation of the model held now if one is due and none is in flight.
+        For one that runs in the background, `save()` keeps what the strategy needs if its
+        result ends the run (one returned at once is taken while that model is still held)."""
+        if (self.evaluate is None or self.closed or self.pending is not None
                 or time.monotonic() - self.last_at < self.every_s):
             return False
         self.last_at = time.monotonic()
         t0 = time.perf_counter()
         result = self.evaluate()
-        self._pending_saved = None if save is None else save()
+        background = isinstance(result, Future)
+        self._pending_saved = save() if background and save is not None else None
         self.spent_s += time.perf_counter() - t0
-        self.pending = result if isinstance(result, Future) else _done(result)
+        if result is None:             # an evaluator that has been closed: none started
+            return False
+        self.pending = result if background else _done(result)
         return True
 
     def take(self, wait: bool) -> Optional[float]:
@@ -474,6 +479,7 @@ class Strategy:
         if self._closed:
             return
         self._closed = True
+        self.evaluations.closed = True   # nothing is evaluated for a run that is ending
         if not self.started:
             self.before_step()
         t0 = time.perf_counter()

@@ -14,7 +14,8 @@ local update, every rank adds its control slots (control.py: losses, rank 0's cl
 evaluation of the model just updated, PRESENT) to a small float64 ``hvd.allreduce_``, and
 every rank feeds them, in the same order, to its own StageMachine (``control.decide``; one
 stage, no switch), so all ranks stop after the same step: target accuracy (the final model is the one
-rank 0 evaluated), time budget, commit budget (steps * n), target loss. A rank that calls
+rank 0 evaluated; one evaluated in the background is taken at a later control round and its
+starting copy is the final model), time budget, commit budget (steps * n), target loss. A rank that calls
 ``finish()`` early calls ``hvd.join()``: Horovod lets the others' allreduces complete
 without it (zeros in its place), their next control round sees PRESENT < n, and they stop
 on that step; ``finish()`` on every rank then meets in ``hvd.join()`` and ends with a
@@ -95,6 +96,8 @@ class BspStrategy(Strategy):
         self._t_before = 0.0
         self._wall_before = time.time()
         self._passes = 0              # backward passes since the gradients were averaged
+        self._just_evaluated = None   # rank 0: the copy a background evaluation started from
+        self._evaluated_model = None  # rank 0: the model that met the target, if copied
         self._averaged = False        # the gradients hold the average of this step's passes
         self._awaited = None          # the backward pass whose end is awaited
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready)
@@ -208,16 +211,29 @@ class BspStrategy(Strategy):
         control = self.slots.encode(
             self.rank, loss=self.loss.commit(), busy=0.0, control=self.rank == 0,
             elapsed=time.monotonic() - self.t0,
-            accuracy=self.evaluations.maybe() if self.rank == 0 else None)
+            accuracy=self._evaluation() if self.rank == 0 else None)
         self.hvd.allreduce_(control, op=self.hvd.Sum, name=_CONTROL_NAME)
         self.bytes_sent += control.numel() * control.element_size()
         reading = self.slots.decode(control)
         decide(self._machine, reading, commits_per_rank=steps, training_reason="bsp: training")
+        if self.rank == 0 and self._machine.done and reading.accuracy is not None \
+                and self._machine.stop_reason.startswith("target accuracy"):
+            self._evaluated_model = self._just_evaluated   # rank 0's final broadcast sends it
         if reading.accuracy is not None:
             self.timeline.instant("eval", accuracy=reading.accuracy)
         self.round_span(self._wall_before, steps=steps, bytes=self.grad_bytes,
                         step=self.local_steps)
         self._follow_machine(self._machine)
+
+    def _evaluation(self) -> Optional[float]:
+        """Rank 0: the accuracy of an evaluation done by now (one in the background is taken
+        at a later control round, the others stepping on meanwhile), and which model it was."""
+        keep = self.stage_config.target_accuracy is not None
+        self.evaluations.start(save=self.flat_model if keep else None)
+        accuracy = self.evaluations.take(wait=False)
+        self._just_evaluated = self.evaluations.saved    # None: the model held now
+        self.evaluations.saved = None
+        return accuracy
 
     # ------------------------------------------------------------------ the end
     def _final_model(self) -> None:
@@ -225,7 +241,8 @@ class BspStrategy(Strategy):
         control round: it contributes nothing), then all take rank 0's model (parameters and
         floating-point buffers: BatchNorm statistics are not averaged by BSP)."""
         self.hvd.join()
-        flat = self.staging.to_host_flat(self.flat_model(), "final")
+        model = self.flat_model() if self._evaluated_model is None else self._evaluated_model
+        flat = self.staging.to_host_flat(model, "final")
         self.hvd.broadcast_(flat, root_rank=0, name=_FINAL_NAME)
         kernels.unpack_assign(self.tensors, [torch.zeros_like(t) for t in self.tensors],
                               self.staging.to_device(flat, "final"))

@@ -457,11 +457,8 @@ class ServerStrategy(Strategy):
         if self.finished or not self.is_server:
             return
         keep = self.stage_config.target_accuracy is not None
-        self.evaluations.start(save=self._flat_copy if keep else None)
+        self.evaluations.start(save=self.flat_model if keep else None)
         self._take_evaluation()       # one that returned at once
-
-    def _flat_copy(self) -> torch.Tensor:
-        return torch.cat([t.detach().reshape(-1).float() for t in self.tensors])
 
     def _take_evaluation(self) -> None:
         """A finished evaluation's accuracy goes to the coordinator: a target met stops the
@@ -478,7 +475,10 @@ class ServerStrategy(Strategy):
             self.mc.coordinator.on_evaluation(accuracy=accuracy)
             done, reason = machine.done, machine.stop_reason
         if done and not was_done and reason.startswith("target accuracy"):
-            self._evaluated_model = self.evaluations.saved
+            # the background evaluation's copy, or (one taken at once) the model held now
+            saved = self.evaluations.saved
+            self._evaluated_model = self.flat_model() if saved is None else saved
+        self.evaluations.saved = None
         if done:
             self.server.request_stop(reason)
         self.timeline.instant("eval", accuracy=accuracy)
