@@ -158,7 +158,9 @@ def test_gloo_launch_is_refused_with_a_clear_error(tmp_path):
     assert "ashl needs an MPI launch" in proc.stdout + proc.stderr
 
 
-@pytest.mark.parametrize("strategy", ["ashl", "localsgd", "bsp"])
+# localsgd's background evaluation runs in tests/unit/test_evaluation.py (FakeWorld); bsp
+# needs real Horovod, the parameter server real transports
+@pytest.mark.parametrize("strategy", ["ashl", "bsp"])
 def test_a_background_evaluator_and_no_finish_call_exit_cleanly(tmp_path, strategy):
     """The evaluation thread's pool is shut down at exit before ashl leaves the run there:
     the exit must start no evaluation (it raised 'cannot schedule new futures', aborting
