@@ -83,7 +83,8 @@ def run_command(cmd: Sequence, timeout: float, env: Optional[dict] = None,
         try:
             proc = subprocess.Popen([str(c) for c in cmd], cwd=cwd, stdout=out,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=env, start_new_session=True)
+                                    env=env, start_new_session=True,
+                                    preexec_fn=_interruptible)
         except (OSError, ValueError) as exc:
             return "error", None, f"could not start {cmd[0]}: {exc!r}"
         try:
@@ -102,6 +103,14 @@ def run_command(cmd: Sequence, timeout: float, env: Optional[dict] = None,
     if status == "timeout":
         text += f"\n(killed after {timeout:g} s)"
     return status, rc, text
+
+
+def _interruptible() -> None:
+    """In the child: SIGINT back to its default. A check started in the background by a
+    non-interactive shell (nohup ... &) inherits SIGINT ignored, and a Python child that
+    starts with it ignored never raises KeyboardInterrupt: pytest would be killed without
+    writing its summary."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _kill_group(proc: subprocess.Popen, interrupt: bool = False) -> None:
