@@ -2,11 +2,12 @@
 
 The control rank's ``evaluate=`` callback holds that rank for a whole test pass, so the
 rank that hosts the server and evaluates trains the least. A background evaluator copies
-the model's parameters and buffers into its own copy of the model (one fused copy, the only
-time the rank is held) and runs ``accuracy_of(copy)`` in a thread while the rank trains on.
-The strategies take the accuracy when it is done (the parameter-server ones between later
-steps, the averaging ones at their next exchange), and a run stopped on it ends with the
-model that was evaluated. The thread runs with the caller's number of torch threads.
+the model's parameters and buffers into its own copy of the model (one fused copy; the rank
+is held for that, and for the rest of a previous evaluation if one is still running) and runs
+``accuracy_of(copy)`` in a thread while the rank trains on. The strategies take the accuracy
+when it is done (the parameter-server ones between later steps, the averaging ones at their
+next exchange, bsp at a later control round), and a run stopped on it ends with the model
+that was evaluated. The thread runs with the caller's number of torch threads.
 """
 from __future__ import annotations
 
