@@ -23,11 +23,14 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
-__all__ = ["ComputeSlowdown", "factors_from_string", "compute_factor_from_env",
+__all__ = ["BACKWARD_SHARE", "ComputeSlowdown", "factors_from_string", "compute_factor_from_env",
            "step_time_from_env", "Link",
            "DEFAULT_LINK", "Heterogeneity", "sleep_until"]
 
 ENV_COMPUTE = "ASHL_EMULATE_COMPUTE"
+# The backward pass's share of a step (it costs about twice the forward): Horovod's
+# gradient allreduces start as backward produces each gradient, so run beside it.
+BACKWARD_SHARE = 2.0 / 3.0
 ENV_STEP_TIME = "ASHL_EMULATE_STEP_TIME"   # seconds: a factor-1 rank's step, GPU-like
 
 
@@ -80,6 +83,13 @@ class ComputeSlowdown:
     @property
     def active(self) -> bool:
         return self._factor != 1.0 or self.step_s is not None
+
+    def emulated(self, elapsed: float) -> float:
+        """The wall time a step of `elapsed` real seconds lasts once stretched (counts
+        nothing)."""
+        if self.step_s is None:
+            return self._factor * elapsed
+        return max(elapsed, self._factor * self.step_s)
 
     def extra(self, elapsed: float) -> float:
         """The seconds to sleep after a step of `elapsed` real seconds."""
@@ -197,9 +207,10 @@ class Heterogeneity:
     def link_delay(self, nbytes: int) -> float:
         return 0.0 if self.link is None else self.link.delay(nbytes)
 
-    def depart(self, nbytes: int) -> None:
-        """An emulated slow link: a message leaves only after its transfer time."""
-        delay = self.link_delay(nbytes)
+    def depart(self, nbytes: int, overlapped_s: float = 0.0) -> None:
+        """An emulated slow link: a message leaves only after its transfer time, less the
+        `overlapped_s` of it that already ran beside compute."""
+        delay = self.link_delay(nbytes) - overlapped_s
         if delay > 0:
             time.sleep(delay)
 

@@ -108,6 +108,17 @@ def test_compute_slowdown_multiplies_step_time():
         slow.factor = 0.5
 
 
+@given(factor=st.floats(1, 8), step_s=st.one_of(st.none(), st.floats(1e-3, 1.0)),
+       elapsed=st.floats(0, 2.0))
+def test_emulated_step_is_what_a_stretched_step_lasts(factor, step_s, elapsed):
+    clock = FakeClock()
+    slow = ComputeSlowdown(factor, clock=clock, sleep=clock.sleep, step_s=step_s)
+    predicted = slow.emulated(elapsed)
+    with slow:
+        clock.sleep(elapsed)
+    assert clock.t == pytest.approx(predicted)
+
+
 def test_compute_slowdown_pays_back_oversleep():
     clock = FakeClock()
     late = lambda s: clock.sleep(s + 0.004)       # every wake-up 4 ms late

@@ -254,3 +254,30 @@ def test_control_slots_skip_non_finite_losses():
     reading = ControlSlots(2).decode(ControlSlots(2).encode(1, loss=math.nan, busy=0.0,
                                                             control=False))
     assert reading.losses == (None, None) and reading.accuracy is None
+
+
+@pytest.mark.parametrize("transfer_s,waited_s", [(0.1, 0.1 - 2 / 3 * 0.06), (0.03, None)])
+def test_bsp_runs_its_emulated_link_beside_the_backward_pass(monkeypatch, transfer_s, waited_s):
+    """Horovod starts each gradient's allreduce during backward: a rank waits only for the
+    part of the transfer that outlasts its emulated backward pass (2/3 of its 2 x 0.03 s)."""
+    from ashl import emulation
+    from ashl.emulation import Heterogeneity, Link
+    waits, real_sleep = [], time.sleep
+    monkeypatch.setattr(emulation.time, "sleep", lambda s: (waits.append(s), real_sleep(s)))
+
+    def rank_fn(comm, hvd):
+        model, _, _ = model_and_data(0)
+        params = list(model.parameters())
+        nbytes = sum(4 * p.numel() for p in params)
+        hetero = Heterogeneity(2.0, Link(0.0, nbytes / transfer_s), step_s=0.03)
+        s = make_strategy("bsp", model, params, comm=comm, hvd=hvd, heterogeneity=hetero,
+                          stage_config=StageConfig(max_commits=4))
+        while not s.finished:
+            s.before_step()
+            s.after_step(0.0)
+        s.finish()
+
+    FakeWorld(1).run(rank_fn)
+    later = waits[1:]          # the first step's compute began before the clock started
+    assert len(later) == (3 if waited_s else 0)
+    assert later == [pytest.approx(waited_s, abs=1e-3)] * len(later)

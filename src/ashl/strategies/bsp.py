@@ -25,11 +25,14 @@ are not averaged by BSP).
 Emulated heterogeneity (tests, benchmarks). Compute: the step is stretched after the local
 update (StepClock). Link: ``hetero.depart(bytes of the gradients)`` sleeps in
 ``before_step()``, i.e. before step()'s ``synchronize()``, not inside backward where
-Horovod has already handed the gradients to its background thread. The allreduce of THIS
-step may therefore finish without waiting for the slow link, but the slow rank reaches its
-next backward, and so submits the next step's gradients, that much later: in steady state
-every step waits for the slowest rank's compute plus transfer, as on a real slow link; only
-the first step differs.
+Horovod has already handed the gradients to its background thread. Horovod starts each
+gradient's allreduce as backward produces it, so on a real cluster the transfer runs beside
+the backward pass: the sleep is the transfer time less the emulated backward pass
+(``BACKWARD_SHARE`` of the rank's emulated step), and a step lasts max(compute, forward +
+transfer). The allreduce of THIS step may finish without waiting for the slow link, but the
+slow rank reaches its next backward, and so submits the next step's gradients, that much
+later: in steady state every step waits for the slowest rank's, as on a real slow link;
+only the first step differs.
 
 A CUDA model under a Horovod built without GPU operations (no NCCL): Horovod's hooks
 cannot take device gradients, so the wrapped optimizer is ashl's own. As the step's last
@@ -56,6 +59,7 @@ import torch
 
 from .. import kernels
 from ..compression import check_compression
+from ..emulation import BACKWARD_SHARE
 from ..stages import Stage, StageConfig, StageMachine
 from .base import Strategy
 from .control import ControlSlots, decide
@@ -184,7 +188,13 @@ class BspStrategy(Strategy):
         super().before_step()
         self._t_before = time.perf_counter()
         self._wall_before = time.time()
-        self.hetero.depart(self.grad_bytes)
+        self.hetero.depart(self.grad_bytes, overlapped_s=self._backward_s(self._t_before))
+
+    def _backward_s(self, now: float) -> float:
+        """This step's emulated backward pass, which Horovod's allreduces run beside."""
+        real = now - self.clock.last_end
+        step = real if self.slowdown is None else self.slowdown.emulated(real)
+        return BACKWARD_SHARE * step
 
     def after_step(self, loss) -> None:
         # Link delay + synchronize + the update itself: communication, not compute.
