@@ -32,7 +32,7 @@ test: build
 
 # The main job, short: the default scenario (MNIST, a 1M-parameter CNN, 4 emulated GPUs of
 # speeds 1,1,2,4 on links of the same factors, ResNet-18-like communication) with 25 ms steps
-# instead of 80 ms: ashl against Horovod's BSP and local SGD; then the homogeneous control
+# instead of 170 ms: ashl against Horovod's BSP and local SGD; then the homogeneous control
 # (every factor 1: ashl against bsp). Prints the tables and the plots' paths (~3 minutes).
 DEMO_RANKS ?= 4
 DEMO_ARGS ?= --step-time 0.025 --ranks $(DEMO_RANKS)
@@ -81,8 +81,8 @@ bench-script: build
 	$(PY) -m ashl.bench script --json $(OUT)/script/script.json
 	$(PY) -m ashl.bench script --compute-slowdown 1,1,1 --json $(OUT)/script/homogeneous.json
 
-# The default scenario, every strategy, 3 seeds (about 30 minutes), then the homogeneous
-# control with ashl and bsp.
+# The default scenario, every strategy, 3 seeds (about an hour: ssp and asp diverge and run
+# out their budget), then the homogeneous control with ashl and bsp.
 bench-e2e: build
 	@mkdir -p $(OUT)/e2e $(OUT)/e2e-homogeneous
 	$(PY) -m ashl.bench e2e --seeds 0,1,2 --json $(OUT)/e2e/e2e.json

@@ -256,28 +256,28 @@ def test_control_slots_skip_non_finite_losses():
     assert reading.losses == (None, None) and reading.accuracy is None
 
 
-@pytest.mark.parametrize("transfer_s,waited_s", [(0.1, 0.1 - 2 / 3 * 0.06), (0.03, None)])
-def test_bsp_runs_its_emulated_link_beside_the_backward_pass(monkeypatch, transfer_s, waited_s):
-    """Horovod starts each gradient's allreduce during backward: a rank waits only for the
-    part of the transfer that outlasts its emulated backward pass (2/3 of its 2 x 0.03 s)."""
-    from ashl import emulation
+@pytest.mark.parametrize("passes,transfer_s", [(1, 0.5), (2, 0.5), (1, 0.2)])
+def test_bsp_runs_its_emulated_link_beside_the_backward_pass(monkeypatch, passes, transfer_s):
+    """Horovod starts each gradient's allreduce during the step's last backward pass: a rank
+    waits only for the part of the transfer that outlasts it (2/3 of 2 x 0.2 s, per pass)."""
     from ashl.emulation import Heterogeneity, Link
-    waits, real_sleep = [], time.sleep
-    monkeypatch.setattr(emulation.time, "sleep", lambda s: (waits.append(s), real_sleep(s)))
+    waits = []
+    monkeypatch.setattr(Heterogeneity, "depart", lambda self, nbytes, overlapped_s=0.0:
+                        waits.append(self.link_delay(nbytes) - overlapped_s))
 
     def rank_fn(comm, hvd):
         model, _, _ = model_and_data(0)
         params = list(model.parameters())
         nbytes = sum(4 * p.numel() for p in params)
-        hetero = Heterogeneity(2.0, Link(0.0, nbytes / transfer_s), step_s=0.03)
+        hetero = Heterogeneity(2.0, Link(0.0, nbytes / transfer_s), step_s=0.2)
         s = make_strategy("bsp", model, params, comm=comm, hvd=hvd, heterogeneity=hetero,
-                          stage_config=StageConfig(max_commits=4))
+                          stage_config=StageConfig(max_commits=3))
+        s.backward_passes_per_step = passes
         while not s.finished:
             s.before_step()
             s.after_step(0.0)
         s.finish()
 
     FakeWorld(1).run(rank_fn)
-    later = waits[1:]          # the first step's compute began before the clock started
-    assert len(later) == (3 if waited_s else 0)
-    assert later == [pytest.approx(waited_s, abs=1e-3)] * len(later)
+    backward = 2 / 3 * 0.4 / passes
+    assert waits == [pytest.approx(transfer_s - backward, abs=1e-3)] * 3

@@ -6,7 +6,7 @@ cluster (per-rank compute and link slowdowns), launched as its own
 fails or times out is reported and the others still run.
 
 The default scenario (``ashl.bench.scenario``): real MNIST images, a CNN of 1.02M parameters,
-GPU-like steps of 80 ms x the compute factor, and a factor-1 link that moves the model in
+GPU-like steps of 170 ms x the compute factor, and a factor-1 link that moves the model in
 0.72 steps, as ResNet-18 on V100s over 10 Gbit/s does; target 0.97.
 
 With ``--netns`` (root) the links are real instead of emulated: one emulated host per rank (a

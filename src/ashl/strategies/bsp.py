@@ -28,8 +28,9 @@ update (StepClock). Link: ``hetero.depart(bytes of the gradients)`` sleeps in
 Horovod has already handed the gradients to its background thread. Horovod starts each
 gradient's allreduce as backward produces it, so on a real cluster the transfer runs beside
 the backward pass: the sleep is the transfer time less the emulated backward pass
-(``BACKWARD_SHARE`` of the rank's emulated step), and a step lasts max(compute, forward +
-transfer). The allreduce of THIS step may finish without waiting for the slow link, but the
+(``BACKWARD_SHARE`` of the rank's emulated step; of its last pass with
+``backward_passes_per_step`` > 1, when the hooks start them; none when ashl averages after
+backward, below), and a step lasts max(compute, forward + transfer). The allreduce of THIS step may finish without waiting for the slow link, but the
 slow rank reaches its next backward, and so submits the next step's gradients, that much
 later: in steady state every step waits for the slowest rank's, as on a real slow link;
 only the first step differs.
@@ -191,10 +192,13 @@ class BspStrategy(Strategy):
         self.hetero.depart(self.grad_bytes, overlapped_s=self._backward_s(self._t_before))
 
     def _backward_s(self, now: float) -> float:
-        """This step's emulated backward pass, which Horovod's allreduces run beside."""
+        """The emulated backward pass that Horovod's allreduces run beside: the step's last
+        (its hooks start them only then); none when ashl averages after backward (staged)."""
+        if self.staged_gradients:
+            return 0.0
         real = now - self.clock.last_end
         step = real if self.slowdown is None else self.slowdown.emulated(real)
-        return BACKWARD_SHARE * step
+        return BACKWARD_SHARE * step / self.backward_passes_per_step
 
     def after_step(self, loss) -> None:
         # Link delay + synchronize + the update itself: communication, not compute.
