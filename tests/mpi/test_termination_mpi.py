@@ -16,7 +16,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "soak" / "termination_stress.py"
 def test_short_jobs_of_every_strategy_all_end_cleanly():
     from ashl.strategies import STRATEGIES
     proc = subprocess.run([sys.executable, str(SCRIPT), "--jobs", str(len(STRATEGIES)),
-                           "--seed", "7", "--timeout", "90"],
+                           "--seed", "7", "--timeout", "90", "--budgets", "2,3"],
                           capture_output=True, text=True, timeout=90 * len(STRATEGIES) + 60,
                           env=mpi_env())
     assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-3000:]

@@ -17,12 +17,13 @@ from _util import mpi_env  # noqa: E402
 from ashl.strategies import STRATEGIES  # noqa: E402
 
 
-def one_job(strategy: str, ranks: int, rng: random.Random, out: Path, timeout: float):
+def one_job(strategy: str, ranks: int, rng: random.Random, out: Path, timeout: float,
+            budgets: list[float]):
     compute = ",".join(str(rng.choice([1, 1, 1.5, 2, 3, 4])) for _ in range(ranks))
     link = ",".join(str(rng.choice([1, 1, 2, 4])) for _ in range(ranks))
-    budget = rng.choice([3, 5, 8])
+    budget = rng.choice(budgets)
     cmd = ["mpirun", "-np", str(ranks), "--oversubscribe", "--bind-to", "none", sys.executable,
-           "-m", "ashl.train", "--strategy", strategy, "--max-seconds", str(budget),
+           "-m", "ashl.train", "--strategy", strategy, "--max-seconds", f"{budget:g}",
            "--target-accuracy", str(rng.choice([0.5, 0.9, 0.999])), "--compute-slowdown", compute,
            "--link-slowdown", link, "--seed", str(rng.randrange(1000)), "--no-progress",
            "--out", str(out)]
@@ -36,7 +37,7 @@ def one_job(strategy: str, ranks: int, rng: random.Random, out: Path, timeout: f
         rc, tail = "timeout", ""
     if rc != 0 and not tail.strip():
         tail = f"(no output) command: {' '.join(cmd)}"
-    return rc, time.monotonic() - t0, f"{strategy} compute={compute} link={link} budget={budget}s", tail
+    return rc, time.monotonic() - t0, f"{strategy} compute={compute} link={link} budget={budget:g}s", tail
 
 
 def main() -> int:
@@ -46,15 +47,19 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=120)
     p.add_argument("--strategies", default=",".join(STRATEGIES))
+    p.add_argument("--budgets", default="3,5,8",
+                   help="the time budgets [s] a job draws from (the end by budget lands "
+                        "in profiling, early training or later)")
     args = p.parse_args()
     rng = random.Random(args.seed)
     strategies = args.strategies.split(",")
+    budgets = [float(b) for b in args.budgets.split(",")]
     failures = 0
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.jobs):
             strategy = strategies[i % len(strategies)]
             rc, seconds, what, tail = one_job(strategy, args.ranks, rng, Path(tmp) / str(i),
-                                              args.timeout)
+                                              args.timeout, budgets)
             ok = rc == 0
             failures += not ok
             print(f"job {i:3d} {'ok  ' if ok else 'FAIL'} {seconds:6.1f} s  rc={rc}  {what}",

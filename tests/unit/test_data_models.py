@@ -225,3 +225,21 @@ def test_build_model_errors(args, match):
 def test_build_model_names_are_forgiving():
     assert isinstance(models.build_model("ResNet-18", (3, 32, 32), 10), models.ResNet18)
     assert isinstance(models.build_model("mlp", (20,), 3), models.MLP)
+
+
+def test_digits_read_without_sklearn_are_sklearns_digits():
+    from sklearn.datasets import load_digits
+    d = load_digits()
+    images, labels = data._digits_8x8()
+    assert images.shape == (1797, 8, 8) and np.array_equal(images, d.images)
+    assert labels.dtype == np.int64 and np.array_equal(labels, d.target)
+
+
+def test_loading_digits_does_not_import_sklearn():
+    import subprocess
+    import sys
+    code = ("import sys, ashl.data as d; d.digits(); "
+            "print([m for m in sys.modules if m.split('.')[0] in ('sklearn', 'scipy')])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "[]"
