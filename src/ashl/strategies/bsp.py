@@ -30,10 +30,10 @@ gradient's allreduce as backward produces it, so on a real cluster the transfer 
 the backward pass: the sleep is the transfer time less the emulated backward pass
 (``BACKWARD_SHARE`` of the rank's emulated step; of its last pass with
 ``backward_passes_per_step`` > 1, when the hooks start them; none when ashl averages after
-backward, below), and a step lasts max(compute, forward + transfer). The allreduce of THIS step may finish without waiting for the slow link, but the
-slow rank reaches its next backward, and so submits the next step's gradients, that much
-later: in steady state every step waits for the slowest rank's, as on a real slow link;
-only the first step differs.
+backward, below), and a step lasts max(compute, forward + transfer). The allreduce of THIS
+step may finish without waiting for the slow link, but the slow rank reaches its next
+backward, and so submits the next step's gradients, that much later: in steady state every
+step waits for the slowest rank's, as on a real slow link; only the first step differs.
 
 A CUDA model under a Horovod built without GPU operations (no NCCL): Horovod's hooks
 cannot take device gradients, so the wrapped optimizer is ashl's own. As the step's last
