@@ -67,14 +67,15 @@ inline bool nonfinite(const F16* p, int64_t i) {
   return (u & 0x7c00u) == 0x7c00u;
 }
 
-// Writes m fp32 values from a cache-resident block to dst. With `stream`, fp32
-// goes out through non-temporal stores: a destination too large for the cache
-// then costs one write instead of a read-for-ownership plus a write.
-inline void store_block(F16* dst, const float* src, int64_t m, bool /*stream*/) {
-  halves().narrow_f16(reinterpret_cast<uint16_t*>(dst), src, m);
+// Writes m fp32 values from a cache-resident block to dst. With `stream`, they
+// go out through non-temporal stores (16-bit ones as narrowed, from the
+// registers): a destination too large for the cache then costs one write
+// instead of a read-for-ownership plus a write.
+inline void store_block(F16* dst, const float* src, int64_t m, bool stream) {
+  halves().narrow_f16(reinterpret_cast<uint16_t*>(dst), src, m, stream);
 }
-inline void store_block(BF16* dst, const float* src, int64_t m, bool /*stream*/) {
-  halves().narrow_bf16(reinterpret_cast<uint16_t*>(dst), src, m);
+inline void store_block(BF16* dst, const float* src, int64_t m, bool stream) {
+  halves().narrow_bf16(reinterpret_cast<uint16_t*>(dst), src, m, stream);
 }
 inline void store_block(float* dst, const float* src, int64_t m, bool stream) {
 #if defined(__AVX__)

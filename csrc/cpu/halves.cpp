@@ -3,6 +3,7 @@
 // chosen at run time from what the CPU reports.
 #include "halves.h"
 
+#include <algorithm>
 #include <atomic>
 #include <stdexcept>
 
@@ -19,14 +20,22 @@ namespace {
 void widen_f16_portable(float* dst, const uint16_t* src, int64_t m) {
   for (int64_t j = 0; j < m; ++j) dst[j] = half_bits_to_float(src[j]);
 }
-void narrow_f16_portable(uint16_t* dst, const float* src, int64_t m) {
+// The portable path stores normally whatever `stream` says.
+void narrow_f16_portable(uint16_t* dst, const float* src, int64_t m, bool = false) {
   for (int64_t j = 0; j < m; ++j) dst[j] = float_to_half_bits(src[j]);
 }
 void widen_bf16_portable(float* dst, const uint16_t* src, int64_t m) {
   for (int64_t j = 0; j < m; ++j) dst[j] = bf16_bits_to_float(src[j]);
 }
-void narrow_bf16_portable(uint16_t* dst, const float* src, int64_t m) {
+void narrow_bf16_portable(uint16_t* dst, const float* src, int64_t m, bool = false) {
   for (int64_t j = 0; j < m; ++j) dst[j] = float_to_bf16_bits(src[j]);
+}
+
+// Elements of dst before the first `bytes`-aligned one (at most m): a streamed
+// narrowing converts them one at a time, then stores whole aligned vectors.
+int64_t unaligned_head(const uint16_t* dst, int64_t m, uintptr_t bytes) {
+  const uintptr_t past = reinterpret_cast<uintptr_t>(dst) & (bytes - 1);
+  return std::min<int64_t>(m, static_cast<int64_t>(((bytes - past) & (bytes - 1)) / 2));
 }
 
 constexpr HalfConverters kPortable{widen_f16_portable, narrow_f16_portable, widen_bf16_portable,
@@ -42,11 +51,16 @@ ASHL_F16C void widen_f16_f16c(float* dst, const uint16_t* src, int64_t m) {
     _mm256_storeu_ps(dst + j, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + j))));
   widen_f16_portable(dst + j, src + j, m - j);
 }
-ASHL_F16C void narrow_f16_f16c(uint16_t* dst, const float* src, int64_t m) {
-  int64_t j = 0;
+// 8 halves (16 bytes) to dst + j: streamed (dst + j 16-byte aligned) or not.
+ASHL_F16C inline void put8(uint16_t* dst, int64_t j, __m128i v, bool stream) {
+  if (stream) _mm_stream_si128(reinterpret_cast<__m128i*>(dst + j), v);
+  else _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + j), v);
+}
+ASHL_F16C void narrow_f16_f16c(uint16_t* dst, const float* src, int64_t m, bool stream) {
+  int64_t j = stream ? unaligned_head(dst, m, 16) : 0;
+  narrow_f16_portable(dst, src, j);
   for (; j + 8 <= m; j += 8)
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + j),
-                     _mm256_cvtps_ph(_mm256_loadu_ps(src + j), _MM_FROUND_TO_NEAREST_INT));
+    put8(dst, j, _mm256_cvtps_ph(_mm256_loadu_ps(src + j), _MM_FROUND_TO_NEAREST_INT), stream);
   narrow_f16_portable(dst + j, src + j, m - j);
 }
 ASHL_F16C void widen_bf16_avx2(float* dst, const uint16_t* src, int64_t m) {
@@ -58,11 +72,12 @@ ASHL_F16C void widen_bf16_avx2(float* dst, const uint16_t* src, int64_t m) {
   widen_bf16_portable(dst + j, src + j, m - j);
 }
 // float_to_bf16_bits, 8 lanes: round to nearest even, NaN -> quiet NaN.
-ASHL_F16C void narrow_bf16_avx2(uint16_t* dst, const float* src, int64_t m) {
+ASHL_F16C void narrow_bf16_avx2(uint16_t* dst, const float* src, int64_t m, bool stream) {
   const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7fff);
   const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000);
   const __m256i quiet = _mm256_set1_epi32(0x40);
-  int64_t j = 0;
+  int64_t j = stream ? unaligned_head(dst, m, 16) : 0;
+  narrow_bf16_portable(dst, src, j);
   for (; j + 8 <= m; j += 8) {
     const __m256i u = _mm256_castps_si256(_mm256_loadu_ps(src + j));
     const __m256i hi = _mm256_srli_epi32(u, 16);
@@ -72,7 +87,7 @@ ASHL_F16C void narrow_bf16_avx2(uint16_t* dst, const float* src, int64_t m) {
     const __m256i r = _mm256_blendv_epi8(rounded, _mm256_or_si256(hi, quiet), nan);
     // 32 -> 16 bits (every value fits): pack within lanes, then gather both lanes' halves.
     const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + j), _mm256_castsi256_si128(packed));
+    put8(dst, j, _mm256_castsi256_si128(packed), stream);
   }
   narrow_bf16_portable(dst + j, src + j, m - j);
 }
@@ -93,11 +108,16 @@ ASHL_AVX512 void widen_f16_avx512(float* dst, const uint16_t* src, int64_t m) {
     _mm512_storeu_ps(dst + j, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + j))));
   widen_f16_portable(dst + j, src + j, m - j);
 }
-ASHL_AVX512 void narrow_f16_avx512(uint16_t* dst, const float* src, int64_t m) {
-  int64_t j = 0;
+// 16 halves (32 bytes) to dst + j: streamed (dst + j 32-byte aligned) or not.
+ASHL_AVX512 inline void put16(uint16_t* dst, int64_t j, __m256i v, bool stream) {
+  if (stream) _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + j), v);
+  else _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j), v);
+}
+ASHL_AVX512 void narrow_f16_avx512(uint16_t* dst, const float* src, int64_t m, bool stream) {
+  int64_t j = stream ? unaligned_head(dst, m, 32) : 0;
+  narrow_f16_portable(dst, src, j);
   for (; j + 16 <= m; j += 16)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j),
-                        _mm512_cvtps_ph(_mm512_loadu_ps(src + j), _MM_FROUND_TO_NEAREST_INT));
+    put16(dst, j, _mm512_cvtps_ph(_mm512_loadu_ps(src + j), _MM_FROUND_TO_NEAREST_INT), stream);
   narrow_f16_portable(dst + j, src + j, m - j);
 }
 ASHL_AVX512 void widen_bf16_avx512(float* dst, const uint16_t* src, int64_t m) {
@@ -108,11 +128,12 @@ ASHL_AVX512 void widen_bf16_avx512(float* dst, const uint16_t* src, int64_t m) {
   }
   widen_bf16_portable(dst + j, src + j, m - j);
 }
-ASHL_AVX512 void narrow_bf16_avx512(uint16_t* dst, const float* src, int64_t m) {
+ASHL_AVX512 void narrow_bf16_avx512(uint16_t* dst, const float* src, int64_t m, bool stream) {
   const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7fff);
   const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
   const __m512i quiet = _mm512_set1_epi32(0x40);
-  int64_t j = 0;
+  int64_t j = stream ? unaligned_head(dst, m, 32) : 0;
+  narrow_bf16_portable(dst, src, j);
   for (; j + 16 <= m; j += 16) {
     const __m512i u = _mm512_castps_si512(_mm512_loadu_ps(src + j));
     const __m512i hi = _mm512_srli_epi32(u, 16);
@@ -120,7 +141,7 @@ ASHL_AVX512 void narrow_bf16_avx512(uint16_t* dst, const float* src, int64_t m) 
         _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, bias), _mm512_and_si512(hi, one)), 16);
     const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, abs_mask), inf);
     const __m512i r = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(hi, quiet));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j), _mm512_cvtepi32_epi16(r));
+    put16(dst, j, _mm512_cvtepi32_epi16(r), stream);
   }
   narrow_bf16_portable(dst + j, src + j, m - j);
 }

@@ -13,11 +13,15 @@
 
 namespace ashl::cpu {
 
+// A narrowing with `stream` writes dst with non-temporal stores from the
+// registers that hold the converted values (after a scalar head up to the store
+// width's alignment): for a destination too large to stay cached, one write
+// instead of a read-for-ownership plus a write. The caller fences.
 struct HalfConverters {
   void (*widen_f16)(float* dst, const uint16_t* src, int64_t m);
-  void (*narrow_f16)(uint16_t* dst, const float* src, int64_t m);
+  void (*narrow_f16)(uint16_t* dst, const float* src, int64_t m, bool stream);
   void (*widen_bf16)(float* dst, const uint16_t* src, int64_t m);
-  void (*narrow_bf16)(uint16_t* dst, const float* src, int64_t m);
+  void (*narrow_bf16)(uint16_t* dst, const float* src, int64_t m, bool stream);
   const char* isa;
 };
 

@@ -97,3 +97,21 @@ def test_cuda_refused_without_gpu(tmp_path):
     r = subprocess.run([sys.executable, "-m", "ashl.bench", "kernels", "--quick", "--device",
                         "cuda"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "cuda" in r.stderr
+
+
+def test_sparse_merge_runs_at_the_default_plans_ratio_or_the_one_asked():
+    import torch
+
+    from ashl.bench.kernels import SPARSE_RATIO, ListData, build_case
+    import ashl.kernels as K
+    from ashl.planner import PlannerConfig
+    assert SPARSE_RATIO == PlannerConfig().shl_target_ratio
+    L = ListData("resnet18", shapes.model_shapes(quick=True)["resnet18"], torch.device("cpu"), 0,
+                 "flat")
+    for ratio in (SPARSE_RATIO, 0.01):
+        case = build_case("merge_sparse", L, K, ratio)
+        assert f"nnz={max(1, int(L.n * ratio))} sorted" in case.notes
+    for bad in ("0", "1.5", "-0.1"):
+        r = subprocess.run([sys.executable, "-m", "ashl.bench", "kernels", "--quick",
+                            "--sparse-ratio", bad], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and "--sparse-ratio" in r.stderr, r.stderr

@@ -68,3 +68,24 @@ def test_every_path_gives_the_same_bits_as_portable_and_torch(dtype, each_isa):
         K.set_cpu_isa(isa)
         assert torch.equal(widen(dtype), ref_wide), isa
         assert torch.equal(narrow(values, dtype), ref_narrow), isa
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("offset", [0, 1, 3, 8])
+def test_a_streamed_narrowing_gives_the_same_bits_on_every_path(dtype, offset, each_isa):
+    """pack_delta into a 16-bit buffer, its operands past the streaming threshold (32 MiB):
+    the non-temporal stores, after a scalar head up to their alignment, on every path."""
+    n = 3_500_011
+    p = torch.cat([fp32_patterns(), torch.randn(n - 100_000 - len(EDGES))])
+    a = torch.zeros(n)
+    results = []
+    for isa in ISAS:
+        K.set_cpu_isa(isa)
+        out = torch.full((n + offset + 5,), 7.0, dtype=dtype)
+        K.pack_delta([p], [a], out[offset:offset + n])
+        assert torch.equal(out[:offset], torch.full((offset,), 7.0, dtype=dtype)), isa
+        assert torch.equal(out[offset + n:], torch.full((5,), 7.0, dtype=dtype)), isa
+        results.append(out[offset:offset + n].view(torch.int16))
+    assert all(torch.equal(r, results[-1]) for r in results), ISAS
+    finite = p.to(dtype).isfinite()
+    assert torch.equal(results[0].view(dtype)[finite], p.to(dtype)[finite])

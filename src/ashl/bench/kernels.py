@@ -42,13 +42,16 @@ import torch
 from ashl.bench.shapes import ShapeList, model_shapes
 from ashl.kernels import FlatTensors
 from ashl.outer import PlainMerge
+from ashl.planner import PlannerConfig
 
 OPS = ["pack_delta", "pack_delta+residual", "pack_delta_fp16", "unpack_assign", "unpack_add",
        "merge_dense", "merge_sparse", "weighted_sum"]
 LISTS = ["vgg16", "resnet18", "transformer", "transformer-small"]
 SCALE = 0.5  # pack_delta+residual
 MERGE_WEIGHT = 0.25
-SPARSE_DENSITY = 0.01  # merge_sparse: top-1% of the elements
+# merge_sparse: the top-k ratio of ashl's default SHL plan (its bottleneck's; the others send
+# more), the sparsest commit a default plan sends
+SPARSE_RATIO = PlannerConfig().shl_target_ratio
 WS_WEIGHTS = [0.4, 0.3, 0.2, 0.1]  # weighted_sum, K = 4
 VARIANTS = ("ashl", "foreach", "flat")
 
@@ -71,6 +74,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="how the model's tensors are stored: flat (views of one buffer) or "
                         "separate (one allocation each); default: as ashl.DistributedOptimizer "
                         "stores a model on the device, flat on cpu, separate on cuda")
+    p.add_argument("--sparse-ratio", type=float, default=SPARSE_RATIO, metavar="R",
+                   help="merge_sparse's share of the elements, sorted as top-k sends them "
+                        f"(default {SPARSE_RATIO}: PlannerConfig.shl_target_ratio)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--isa", default="auto",
                    help="the CPU kernels' fp16/bf16 conversion path: auto (the best this CPU "
@@ -87,9 +93,14 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: --isa: {e}", file=sys.stderr)
         return 2
+    if not 0 < args.sparse_ratio <= 1:
+        print(f"error: --sparse-ratio must be in (0, 1], got {args.sparse_ratio}",
+              file=sys.stderr)
+        return 2
     result = run_benchmark(device=args.device, repeat=args.repeat, warmup=args.warmup,
                            quick=args.quick, lists=args.lists, ops=args.ops,
-                           threads=args.threads, seed=args.seed, storage=args.storage)
+                           threads=args.threads, seed=args.seed, storage=args.storage,
+                           sparse_ratio=args.sparse_ratio)
     print(format_table(result))
     if args.json:
         d = os.path.dirname(os.path.abspath(args.json))
@@ -207,13 +218,13 @@ def cat(ts: List[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.reshape(-1) for t in ts]).float().cpu()
 
 
-def build_case(op: str, L: ListData, K) -> Case:
+def build_case(op: str, L: ListData, K, sparse_ratio: float = SPARSE_RATIO) -> Case:
     """The case of `op` on parameter list `L`, `K` being ashl.kernels."""
     try:
         builder = _BUILDERS[op]
     except KeyError:
         raise ValueError(f"unknown op {op}") from None
-    return builder(L, K)
+    return builder(L, K, sparse_ratio) if op == "merge_sparse" else builder(L, K)
 
 
 def _result_of(fns: Dict[str, Callable[[], object]],
@@ -359,9 +370,9 @@ def _merge_dense(L: ListData, K) -> Case:
                 "into a second buffer from %d elements" % PlainMerge.double_buffer_numel)
 
 
-def _merge_sparse(L: ListData, K) -> Case:
+def _merge_sparse(L: ListData, K, ratio: float) -> Case:
     n, dev = L.n, L.device
-    nnz = max(1, int(n * SPARSE_DENSITY))
+    nnz = max(1, int(n * ratio))
     fd0 = L.flat_random()
     fd = fd0.clone()
     # Sorted ascending, as ashl.compression's top-k sends them.
@@ -440,7 +451,8 @@ assert list(_BUILDERS) == OPS
 
 def run_benchmark(device: str = "cpu", repeat: Optional[int] = None, warmup: int = 2,
                   quick: bool = False, lists=LISTS, ops=OPS, threads: Optional[int] = None,
-                  seed: int = 0, storage: Optional[str] = None, log=print) -> dict:
+                  seed: int = 0, storage: Optional[str] = None,
+                  sparse_ratio: float = SPARSE_RATIO, log=print) -> dict:
     """``storage`` None: as ashl.DistributedOptimizer stores a model on ``device``."""
     import ashl.kernels as K
 
@@ -460,7 +472,7 @@ def run_benchmark(device: str = "cpu", repeat: Optional[int] = None, warmup: int
     for li, name in enumerate(lists):
         L = ListData(name, all_shapes[name], dev, seed + li, storage)
         for op in ops:
-            case = build_case(op, L, K)
+            case = build_case(op, L, K, sparse_ratio)
             check_case(case)
             fns = {k: f for k, f in case.fns.items() if f is not None}
             t = time_variants(fns, repeat, warmup, dev)
@@ -491,6 +503,7 @@ def run_benchmark(device: str = "cpu", repeat: Optional[int] = None, warmup: int
         "torch_threads": torch.get_num_threads(),
         "torch_version": torch.__version__,
         "storage": storage,
+        "sparse_ratio": sparse_ratio,
         "repeat": repeat,
         "warmup": warmup,
         "quick": quick,
@@ -581,7 +594,8 @@ def format_table(result: dict) -> str:
              f"(torch {result['torch_threads']})  copy bandwidth: "
              f"{result['bandwidth_before_gbps']:.1f} GB/s before, "
              f"{result['bandwidth_after_gbps']:.1f} after  min of {result['repeat']}  "
-             f"storage: {result.get('storage', 'separate')}",
+             f"storage: {result.get('storage', 'separate')}  "
+             f"merge_sparse: top {result.get('sparse_ratio', 0.01):.4g} of the elements",
              head, "-" * len(head)]
     lines += [format_row(r) for r in result["cases"]]
     if not result["reliable"]:
