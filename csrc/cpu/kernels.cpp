@@ -133,13 +133,27 @@ __attribute__((always_inline)) inline void store_outputs(const std::array<Operan
 // Elements [b, e) of one tensor with a 16-bit operand: each 16-bit input
 // widened into an fp32 block (halves(): vectorised for this CPU), the op over
 // the fp32 blocks, every output narrowed (or copied) out of the result block.
+// The first block ends where the first streamed output reaches a cache line, so
+// that every later block starts there: its streamed stores need no scalar head.
+template <class O, size_t NOut>
+int64_t first_block(const std::array<Operand<O>, NOut>& outs, int32_t t, int64_t b) {
+  for (const auto& o : outs) {
+    if (!o.stream) continue;
+    const uintptr_t past = reinterpret_cast<uintptr_t>(o.at(t) + b) & 63u;
+    const int64_t head = static_cast<int64_t>(((64u - past) & 63u) / sizeof(O));
+    return head > 0 && past % sizeof(O) == 0 ? head : kHalfBlock;
+  }
+  return kHalfBlock;
+}
+
 template <class Op, class O, size_t NOut, class... I, size_t... k>
 void map_chunk_halves(const Op& op, const std::array<Operand<O>, NOut>& outs, int32_t t,
                       int64_t b, int64_t e, std::index_sequence<k...>, const I*... x) {
   float in[sizeof...(I)][kHalfBlock];
   float buf[kHalfBlock];
-  for (int64_t bb = b; bb < e; bb += kHalfBlock) {
-    const int64_t m = std::min(kHalfBlock, e - bb);
+  int64_t m = 0;
+  for (int64_t bb = b; bb < e; bb += m) {
+    m = std::min(bb == b ? first_block(outs, t, b) : kHalfBlock, e - bb);
     const std::array<const float*, sizeof...(I)> v{fp32_block(x, bb, m, in[k])...};
 #pragma omp simd
     for (int64_t j = 0; j < m; ++j) buf[j] = op(v[k][j]...);

@@ -7,8 +7,9 @@ a fraction of the ideal, the utilisation, and for the parameter-server strategie
 side: its commit latency (a commit received to its reply sent) and its thread's busy fraction
 (CPU time over wall time), so where the server saturates shows as the count grows.
 
-The default step time is 0.1 s: 16 ranks' real work (8-10 ms a step each here) must fit in
-the cores of the machine, or the emulation overruns (reported per run).
+The step time is the e2e scenario's (``scenario.STEP_TIME_S``): 16 ranks' real work (8-10 ms a
+step each here) must fit in the cores of the machine, or the emulation overruns (reported per
+run).
 
 Writes (next to ``--json``, default ``out/scale/scale.json``): scale.json, scale.md, scale.png
 (three panels against ranks) and every run's own folder under ranks<N>/.
@@ -23,12 +24,11 @@ import sys
 from typing import Optional, Sequence
 
 from ..cli import OptionError
-from . import e2e
+from . import e2e, scenario
 
 PROG = "ashl.bench scale"
 DEFAULT_RANKS = "4,8,16"
 DEFAULT_STRATEGIES = "ashl,asp,bsp"
-STEP_TIME_S = 0.1
 MAX_SECONDS = 40.0
 
 
@@ -36,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e2e.add_arguments(p, ranks=False)
     p.add_argument("--ranks", default=DEFAULT_RANKS, metavar="N0,N1,...",
                    help="the rank counts, each run with every strategy")
-    p.set_defaults(strategies=DEFAULT_STRATEGIES, step_time=STEP_TIME_S,
+    p.set_defaults(strategies=DEFAULT_STRATEGIES, step_time=scenario.STEP_TIME_S,
                    max_seconds=MAX_SECONDS, full_budget=True,
                    json=os.path.join("out", "scale", "scale.json"))
 
