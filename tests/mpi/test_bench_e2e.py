@@ -280,6 +280,8 @@ def test_scale_writes_its_report_where_json_says_even_when_out_is_elsewhere(tmp_
     json_path = tmp_path / "report" / "nested" / "scale.json"
     args = p.parse_args(["--strategies", "ashl", "--ranks", "4,8", "--out", str(tmp_path / "runs"),
                          "--json", str(json_path)])
+    from ashl.bench import scenario
+    assert args.step_time == scenario.STEP_TIME_S   # the e2e scenario, at every rank count
     seen = []
 
     def fake_run_all(a, setup, out):
