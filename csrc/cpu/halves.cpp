@@ -31,10 +31,16 @@ void narrow_bf16_portable(uint16_t* dst, const float* src, int64_t m, bool = fal
   for (int64_t j = 0; j < m; ++j) dst[j] = float_to_bf16_bits(src[j]);
 }
 
-// Elements of dst before the first `bytes`-aligned one (at most m): a streamed
-// narrowing converts them one at a time, then stores whole aligned vectors.
-int64_t unaligned_head(const uint16_t* dst, int64_t m, uintptr_t bytes) {
+// Where a narrowing's vector stores start. Streamed: after the elements of dst
+// before its first `bytes`-aligned one (at most m), converted one at a time. A
+// 16-bit tensor at an odd address (a byte offset into a buffer) never aligns: it
+// is written normally (`stream` cleared).
+int64_t vector_start(const uint16_t* dst, int64_t m, uintptr_t bytes, bool& stream) {
   const uintptr_t past = reinterpret_cast<uintptr_t>(dst) & (bytes - 1);
+  if (!stream || (past & 1u)) {
+    stream = false;
+    return 0;
+  }
   return std::min<int64_t>(m, static_cast<int64_t>(((bytes - past) & (bytes - 1)) / 2));
 }
 
@@ -57,7 +63,7 @@ ASHL_F16C inline void put8(uint16_t* dst, int64_t j, __m128i v, bool stream) {
   else _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + j), v);
 }
 ASHL_F16C void narrow_f16_f16c(uint16_t* dst, const float* src, int64_t m, bool stream) {
-  int64_t j = stream ? unaligned_head(dst, m, 16) : 0;
+  int64_t j = vector_start(dst, m, 16, stream);
   narrow_f16_portable(dst, src, j);
   for (; j + 8 <= m; j += 8)
     put8(dst, j, _mm256_cvtps_ph(_mm256_loadu_ps(src + j), _MM_FROUND_TO_NEAREST_INT), stream);
@@ -76,7 +82,7 @@ ASHL_F16C void narrow_bf16_avx2(uint16_t* dst, const float* src, int64_t m, bool
   const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7fff);
   const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000);
   const __m256i quiet = _mm256_set1_epi32(0x40);
-  int64_t j = stream ? unaligned_head(dst, m, 16) : 0;
+  int64_t j = vector_start(dst, m, 16, stream);
   narrow_bf16_portable(dst, src, j);
   for (; j + 8 <= m; j += 8) {
     const __m256i u = _mm256_castps_si256(_mm256_loadu_ps(src + j));
@@ -114,7 +120,7 @@ ASHL_AVX512 inline void put16(uint16_t* dst, int64_t j, __m256i v, bool stream) 
   else _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j), v);
 }
 ASHL_AVX512 void narrow_f16_avx512(uint16_t* dst, const float* src, int64_t m, bool stream) {
-  int64_t j = stream ? unaligned_head(dst, m, 32) : 0;
+  int64_t j = vector_start(dst, m, 32, stream);
   narrow_f16_portable(dst, src, j);
   for (; j + 16 <= m; j += 16)
     put16(dst, j, _mm512_cvtps_ph(_mm512_loadu_ps(src + j), _MM_FROUND_TO_NEAREST_INT), stream);
@@ -132,7 +138,7 @@ ASHL_AVX512 void narrow_bf16_avx512(uint16_t* dst, const float* src, int64_t m, 
   const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7fff);
   const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
   const __m512i quiet = _mm512_set1_epi32(0x40);
-  int64_t j = stream ? unaligned_head(dst, m, 32) : 0;
+  int64_t j = vector_start(dst, m, 32, stream);
   narrow_bf16_portable(dst, src, j);
   for (; j + 16 <= m; j += 16) {
     const __m512i u = _mm512_castps_si512(_mm512_loadu_ps(src + j));

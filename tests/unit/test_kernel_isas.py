@@ -89,3 +89,19 @@ def test_a_streamed_narrowing_gives_the_same_bits_on_every_path(dtype, offset, e
     assert all(torch.equal(r, results[-1]) for r in results), ISAS
     finite = p.to(dtype).isfinite()
     assert torch.equal(results[0].view(dtype)[finite], p.to(dtype)[finite])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_a_streamed_16_bit_output_at_an_odd_address_is_written_normally(dtype, each_isa):
+    """A tensor at a byte offset into a buffer can never be aligned for a streaming store
+    (which would fault): it is narrowed with normal stores, on every path."""
+    n = 3_500_011
+    p, a = torch.randn(n), torch.zeros(n)
+    for isa in ISAS:
+        K.set_cpu_isa(isa)
+        buf = bytearray(2 * n + 4)
+        out = torch.frombuffer(buf, dtype=dtype, offset=1, count=n)
+        assert out.data_ptr() % 2 == 1
+        K.pack_delta([p], [a], out)
+        assert torch.equal(out, p.to(dtype)), isa
+        assert buf[0] == 0 and buf[-3:] == b"\0\0\0", isa

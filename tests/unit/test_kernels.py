@@ -616,6 +616,20 @@ def test_merge_sparse_threads_give_the_serial_bits(threads):
     assert torch.equal(results[0], results[1])
 
 
+@pytest.mark.parametrize("threads", [2, 3])
+def test_merge_sparse_keeps_a_run_of_one_index_in_one_thread(threads):
+    # Ascending indices whose runs span every equal split of the positions: two threads
+    # adding to one element at once would lose adds (a read-modify-write race).
+    runs = [torch.full((70_000,), 5), torch.full((70_000,), 9), torch.full((1,), 11)]
+    idx = torch.cat(runs)
+    dst = torch.zeros(16)
+    with cpu_threads(threads):
+        assert K.merge_sparse(dst, idx, torch.ones(idx.numel()), 1.0)
+    expected = torch.zeros(16)
+    expected[5], expected[9], expected[11] = 70_000, 70_000, 1
+    assert torch.equal(dst, expected)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("offset", [1, 3])
 def test_merge_sparse_misaligned_and_nd_dst(device, offset):
