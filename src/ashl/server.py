@@ -40,7 +40,7 @@ from typing import Callable, Optional
 
 import torch
 
-from . import protocol
+from . import kernels, protocol
 from .compression import Payload
 from .coordinator import CommitReport, Coordinator, Directive, positive_seconds
 from .outer import OuterOptimizer, make_outer
@@ -458,9 +458,13 @@ class ServerThread:
     """Runs a ParameterServer on this rank: receive, handle, reply, until every rank left."""
 
     def __init__(self, server: ParameterServer, end: ServerEnd, *,
-                 lock: Optional[threading.Lock] = None, tick_s: float = 0.25):
+                 lock: Optional[threading.Lock] = None, tick_s: float = 0.25,
+                 threads: Optional[int] = None):
         self.server = server
         self.end = end
+        # The CPU kernels' threads for this thread's merges (OpenMP's setting is per
+        # thread); None: OpenMP's default, OMP_NUM_THREADS or every core.
+        self.threads = threads
         self.lock = lock or threading.Lock()   # shared with whoever else reads the coordinator
         self.error: Optional[BaseException] = None
         self._stop_reason: Optional[str] = None
@@ -486,6 +490,8 @@ class ServerThread:
             self.server.stats.thread_wall_s = time.monotonic() - self._wall0
 
     def _run(self) -> None:
+        if self.threads is not None:
+            kernels.set_num_threads(self.threads)
         with self.server.stream():
             self._loop()
 

@@ -93,6 +93,9 @@ def build_parser(prog: str = PROG) -> OneLineParser:
     p.add_argument("--global-model-on", choices=("host", "device"), default=None,
                    help="where the server rank keeps the global model (ashl, ssp, asp, adsp, "
                         "async-localsgd): host memory, or its --device (default: host)")
+    p.add_argument("--server-threads", type=int, default=None, metavar="N",
+                   help="CPU kernel threads of the server's merges (parameter-server "
+                        "strategies; default: OpenMP's, OMP_NUM_THREADS or every core)")
     add_checkpoint_options(p)
     p.add_argument("--out", default=os.path.join("out", "train"), help="output directory")
     p.add_argument("--eval-in-background", action=argparse.BooleanOptionalAction, default=True,
@@ -158,6 +161,12 @@ def check_options(args: argparse.Namespace) -> argparse.Namespace:
     if args.global_model_on is not None and args.strategy not in PARAMETER_SERVER:
         raise OptionError(f"--global-model-on {args.global_model_on}: strategy {args.strategy} has "
                           "no parameter server")
+    if args.server_threads is not None:
+        if args.strategy not in PARAMETER_SERVER:
+            raise OptionError(f"--server-threads {args.server_threads}: strategy "
+                              f"{args.strategy} has no parameter server")
+        if args.server_threads < 1:
+            raise OptionError(f"--server-threads {args.server_threads}: must be >= 1")
     if args.overlap:
         check_overlap(args.strategy)
     if args.max_seconds is None and args.max_commits is None and args.target_accuracy is None:
@@ -514,6 +523,8 @@ class Run:
             config["overlap"] = a.overlap
         if a.global_model_on is not None:
             config["global_model_on"] = a.global_model_on
+        if a.server_threads is not None:
+            config["server_threads"] = a.server_threads
         if a.strategy in ("ashl", "async-localsgd"):
             # this loop calls no collective between epochs for them (Checkpoints.after_epoch)
             config["profile_within_epoch"] = False

@@ -84,6 +84,9 @@ BAD = [
     (["--device", "gpu"], ["--device 'gpu'", "auto, cpu, cuda or cuda:N"]),
     (["--strategy", "bsp", "--global-model-on", "device"], ["--global-model-on device",
                                                            "no parameter server"]),
+    (["--strategy", "localsgd", "--server-threads", "1"], ["--server-threads 1",
+                                                          "no parameter server"]),
+    (["--server-threads", "0"], ["--server-threads 0", ">= 1"]),
 ]
 
 
@@ -292,7 +295,8 @@ def test_three_ranks_reach_the_target_and_leave_every_output(tmp_path):
 @pytest.mark.mpi
 @pytest.mark.skipif(_util.skip_reason() is not None, reason=_util.skip_reason() or "")
 @pytest.mark.parametrize("strategy,extra", [
-    ("ashl", []), ("ashl", ["--global-model-on", "device"]), ("localsgd", []), ("bsp", [])],
+    ("ashl", []), ("ashl", ["--global-model-on", "device", "--server-threads", "1"]),
+    ("localsgd", []), ("bsp", [])],
     ids=["ashl", "ashl-global-model-on-device", "localsgd", "bsp"])
 def test_every_strategy_family_trains_with_its_exchanges_staged(tmp_path, strategy, extra):
     out = tmp_path / "run"
@@ -315,6 +319,7 @@ def test_every_strategy_family_trains_with_its_exchanges_staged(tmp_path, strate
                 rank["counters"]["local_steps"] + 1, rank["counters"]
     if extra:
         assert s["per_rank"][0]["counters"]["global_model_on"] == "device"
+        assert s["per_rank"][0]["counters"]["server_threads"] == 1
 
 
 def summary(out):

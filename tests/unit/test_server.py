@@ -361,3 +361,42 @@ def test_a_global_model_on_a_device_merges_and_replies_as_one_in_host_memory(dow
     assert staged.stats.rejected_nonfinite == 1
     assert staged.staging.copies["to_device"] == len(commits)
     assert staged.staging.copies["to_host"] == 3       # versions 1, 2 and 3 (the NaN: none)
+
+
+def test_the_server_thread_sets_its_own_kernel_threads(monkeypatch):
+    """OpenMP's thread count is per thread: the server thread sets its own, once, before its
+    first merge, and leaves the training thread's alone (None: OpenMP's default)."""
+    import threading
+
+    import ashl.server as server_module
+    from ashl.server import ServerThread
+    calls = []
+    monkeypatch.setattr(server_module.kernels, "set_num_threads",
+                        lambda n: calls.append((threading.current_thread().name, n)))
+
+    class IdleEnd:
+        def poll(self, timeout):
+            return None
+
+        def close(self):
+            pass
+
+    for threads, expected in ((1, [("ashl-server", 1)]), (None, [])):
+        calls.clear()
+        s = server()
+        s.live = set()            # the thread's loop ends at once
+        thread = ServerThread(s, IdleEnd(), tick_s=0.01, threads=threads).start()
+        thread.join(10)
+        assert calls == expected
+
+
+def test_server_threads_is_a_positive_integer_and_for_a_parameter_server_alone():
+    from ashl.strategies.parameter_server import check_server_threads
+    from ashl.torch.optimizer import _strategy_options
+    assert check_server_threads(None) is None and check_server_threads(2) == 2
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="server_threads must be None .* or an integer >= 1"):
+            check_server_threads(bad)
+    with pytest.raises(ValueError, match="server_threads=1: strategy 'bsp' has no parameter "
+                                         "server"):
+        _strategy_options("bsp", 3, {"server_threads": 1})

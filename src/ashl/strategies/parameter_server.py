@@ -79,6 +79,15 @@ def check_global_model_on(where) -> str:
     return where
 
 
+def check_server_threads(threads) -> Optional[int]:
+    """server_threads= is None (OpenMP's default) or an integer >= 1."""
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
+                                or threads < 1):
+        raise ValueError(f"server_threads must be None (OpenMP's default: OMP_NUM_THREADS or "
+                         f"every core) or an integer >= 1, got {threads!r}")
+    return threads
+
+
 def check_overlap(overlap, default: bool) -> bool:
     """overlap= must be a bool, or None for the strategy's default."""
     if overlap is None:
@@ -125,9 +134,11 @@ class ServerStrategy(Strategy):
                  heterogeneity=None, profile_steps: int = 10, fault_tolerant: bool = False,
                  fault_timeout_s: float = 5.0, startup_timeout_s: Optional[float] = None,
                  transport: str = DEFAULT_TRANSPORT, overlap: Optional[bool] = None,
-                 profile_within_epoch: bool = True, global_model_on: str = "host"):
+                 profile_within_epoch: bool = True, global_model_on: str = "host",
+                 server_threads: Optional[int] = None):
         self.fault_tolerant = check_fault_tolerance(fault_tolerant, fault_timeout_s)
         self.global_model_on = check_global_model_on(global_model_on)
+        self.server_threads = check_server_threads(server_threads)
         self.transport = check_transport(transport, self.fault_tolerant)
         self.overlap = check_overlap(overlap, self.overlaps_by_default)
         self.fault_timeout_s = float(fault_timeout_s)
@@ -334,7 +345,8 @@ class ServerStrategy(Strategy):
                                  silence_s=HUNG_TIMEOUTS * self.fault_timeout_s
                                  if self.fault_tolerant else None, strategy=self.name,
                                  staging=WireStaging(self.device) if on_device else None)
-        self.server = ServerThread(server, self.server_end, lock=self.mc.lock)
+        self.server = ServerThread(server, self.server_end, lock=self.mc.lock,
+                                   threads=self.server_threads)
 
     def _exchange(self, final: bool = False) -> None:
         if self.round_steps == 0 and not final:
@@ -621,6 +633,7 @@ class ServerStrategy(Strategy):
         c["transport"] = self.transport
         c["overlap"] = {"enabled": self.overlap, **self.overlap_counts}
         c["global_model_on"] = self.global_model_on
+        c["server_threads"] = self.server_threads
         if self.join is not None:
             c["replaced_rank"] = self.rank if self.planned else None
         if self.server is not None:

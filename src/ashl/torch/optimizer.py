@@ -175,6 +175,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         travel, docs/LAUNCHING.md; global_model_on="host" (default) or "device" for them:
         where the server rank keeps the global model (on a GPU: its model's device, each
         commit copied there, the CUDA kernels merging), docs/DESIGN.md "Models on GPUs";
+        server_threads for them: the CPU kernel threads of the server's merges (default:
+        OpenMP's, OMP_NUM_THREADS or every core; 1 keeps them off a CPU rank's training
+        cores without narrowing torch's threads);
         overlap for the parameter-server strategies: a rank keeps taking local steps
         while its commit is in flight, docs/DESIGN.md "Overlapped commits" (default: on for
         ashl, off for the others); profile_within_epoch for ashl and async-localsgd (default
@@ -266,6 +269,10 @@ def _strategy_options(strategy: str, staleness, config: dict) -> dict:
         raise ValueError(f"global_model_on={kwargs['global_model_on']!r}: strategy {strategy!r} "
                          "has no parameter server (its rounds are Horovod allreduces); "
                          f"global_model_on= is for {', '.join(PARAMETER_SERVER)}")
+    if "server_threads" in kwargs and strategy not in PARAMETER_SERVER:
+        raise ValueError(f"server_threads={kwargs['server_threads']!r}: strategy {strategy!r} "
+                         "has no parameter server (its rounds are Horovod allreduces); "
+                         f"server_threads= is for {', '.join(PARAMETER_SERVER)}")
     if kwargs.get("overlap") and strategy not in OVERLAPPING:
         raise ValueError(f"overlap=True: strategy {strategy!r} exchanges in collectives, with no "
                          "commit in flight to overlap; the parameter-server strategies "
