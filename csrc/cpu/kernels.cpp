@@ -130,9 +130,6 @@ __attribute__((always_inline)) inline void store_outputs(const std::array<Operan
   (store_block(outs[k].at(t) + bb, buf, m, outs[k].stream), ...);
 }
 
-// Elements [b, e) of one tensor with a 16-bit operand: each 16-bit input
-// widened into an fp32 block (halves(): vectorised for this CPU), the op over
-// the fp32 blocks, every output narrowed (or copied) out of the result block.
 // The first block ends where the first streamed output reaches a cache line, so
 // that every later block starts there: its streamed stores need no scalar head.
 template <class O, size_t NOut>
@@ -146,6 +143,9 @@ int64_t first_block(const std::array<Operand<O>, NOut>& outs, int32_t t, int64_t
   return kHalfBlock;
 }
 
+// Elements [b, e) of one tensor with a 16-bit operand: each 16-bit input
+// widened into an fp32 block (halves(): vectorised for this CPU), the op over
+// the fp32 blocks, every output narrowed (or copied) out of the result block.
 template <class Op, class O, size_t NOut, class... I, size_t... k>
 void map_chunk_halves(const Op& op, const std::array<Operand<O>, NOut>& outs, int32_t t,
                       int64_t b, int64_t e, std::index_sequence<k...>, const I*... x) {
