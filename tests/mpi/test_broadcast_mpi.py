@@ -20,7 +20,8 @@ rows = MPI.COMM_WORLD.allgather(flat.tolist())
 assert all(r == rows[0] for r in rows), rows
 assert int(model[1].num_batches_tracked) == 7
 assert "horovod.torch" not in sys.modules
-print("same on", len(rows), "ranks")
+if rank == 0:              # one line: unbuffered ranks' words would interleave
+    print(f"same on {len(rows)} ranks")
 """
 
 OPTIMIZER_SCRIPT = """import sys, torch
@@ -48,7 +49,8 @@ assert all(r == rows[0] for r in rows), rows
 assert rows[0][1] == 0.1 and rows[0][2] == (0.8, 0.9)
 assert all(int(s["step"]) == 2 for s in opt.state.values())
 assert ("horovod.torch" in sys.modules) == (sys.argv[1] == "horovod")
-print("same state on", len(rows), "ranks")
+if rank == 0:              # one line: unbuffered ranks' words would interleave
+    print(f"same state on {len(rows)} ranks")
 """
 
 pytestmark = [pytest.mark.mpi,
