@@ -130,16 +130,21 @@ __attribute__((always_inline)) inline void store_outputs(const std::array<Operan
   (store_block(outs[k].at(t) + bb, buf, m, outs[k].stream), ...);
 }
 
-// The first block ends where the first streamed output reaches a cache line, so
-// that every later block starts there: its streamed stores need no scalar head.
+// A first block that starts at p and ends on a cache line, so that every later
+// block starts on one: their streamed stores need no scalar head. `whole` where p
+// is on a line already or is not O-aligned (written without streaming stores).
+template <class O>
+int64_t block_to_line(const O* p, int64_t whole) {
+  const uintptr_t past = reinterpret_cast<uintptr_t>(p) & 63u;
+  const int64_t head = static_cast<int64_t>(((64u - past) & 63u) / sizeof(O));
+  return head > 0 && past % sizeof(O) == 0 ? head : whole;
+}
+
+// The first block ends where the first streamed output reaches a cache line.
 template <class O, size_t NOut>
 int64_t first_block(const std::array<Operand<O>, NOut>& outs, int32_t t, int64_t b) {
-  for (const auto& o : outs) {
-    if (!o.stream) continue;
-    const uintptr_t past = reinterpret_cast<uintptr_t>(o.at(t) + b) & 63u;
-    const int64_t head = static_cast<int64_t>(((64u - past) & 63u) / sizeof(O));
-    return head > 0 && past % sizeof(O) == 0 ? head : kHalfBlock;
-  }
+  for (const auto& o : outs)
+    if (o.stream) return block_to_line(o.at(t) + b, kHalfBlock);
   return kHalfBlock;
 }
 
@@ -264,7 +269,8 @@ inline void accumulate_group(float* acc, const float* const* x, const float* w, 
 // cache-resident fp32 block, up to four inputs per pass: fewer passes over acc,
 // and few enough concurrent streams for the hardware prefetchers (one input at
 // a time fell off a cliff at K=4).
-// 16-bit inputs are widened into fp32 blocks first (halves()).
+// 16-bit inputs are widened into fp32 blocks first (halves()); a streamed output's
+// blocks start on cache lines after the first (block_to_line).
 template <class O, class I>
 void weighted_sum_chunk(O* o, const std::vector<TensorList>& inputs, const float* w, int32_t t,
                         int64_t b, int64_t e, bool stream) {
@@ -272,8 +278,9 @@ void weighted_sum_chunk(O* o, const std::vector<TensorList>& inputs, const float
   const size_t K = inputs.size();
   float acc[B];
   float in[is_half<I> ? 4 : 1][B];
-  for (int64_t bb = b; bb < e; bb += B) {
-    const int64_t m = std::min(B, e - bb);
+  int64_t m = 0;
+  for (int64_t bb = b; bb < e; bb += m) {
+    m = std::min(bb == b && stream ? block_to_line(o + b, B) : B, e - bb);
     for (size_t k = 0; k < K; k += 4) {
       const float* x[4];
       const size_t g = std::min<size_t>(4, K - k);

@@ -105,3 +105,24 @@ def test_a_streamed_16_bit_output_at_an_odd_address_is_written_normally(dtype, e
         K.pack_delta([p], [a], out)
         assert torch.equal(out, p.to(dtype)), isa
         assert buf[0] == 0 and buf[-3:] == b"\0\0\0", isa
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("offset", [0, 1, 3, 8])
+def test_a_streamed_weighted_sum_of_five_into_16_bits_on_every_path(dtype, offset, each_isa):
+    """More than four inputs go through an fp32 block, four at a time; its 16-bit output,
+    streamed past the threshold, starts its blocks on cache lines after a first short one:
+    the bits of the left-to-right fp32 sum, narrowed, at every offset and on every path."""
+    n = 2_000_003
+    g = torch.Generator().manual_seed(offset)
+    ins = [torch.randn(n, generator=g) for _ in range(5)]
+    w = [0.5, -0.25, 0.125, 1.0, 0.75]
+    ref = w[0] * ins[0]
+    for wk, x in zip(w[1:], ins[1:]):
+        ref = ref + wk * x
+    for isa in ISAS:
+        K.set_cpu_isa(isa)
+        out = torch.full((n + offset + 5,), 7.0, dtype=dtype)
+        K.weighted_sum([out[offset:offset + n]], [[x] for x in ins], w)
+        assert torch.equal(out[offset:offset + n], ref.to(dtype)), isa
+        assert (out[:offset] == 7).all() and (out[offset + n:] == 7).all(), isa
