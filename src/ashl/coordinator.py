@@ -424,7 +424,7 @@ class MPICoordinator:
         if self.is_root:
             sink = bytearray(len(payload))
 
-            def copy() -> None:  # the root's commits travel through MPI to itself too
+            def copy() -> None:  # a memory copy, as the root's own commits are
                 request = self.comm.Irecv(sink, source=self.rank, tag=_LINK_PUSH)
                 self.comm.Send(payload, dest=self.rank, tag=_LINK_PUSH)
                 request.Wait()

@@ -86,8 +86,10 @@ def build_parser(prog: str = PROG) -> OneLineParser:
                         "launch with mpirun --enable-recovery (docs/LAUNCHING.md); exit "
                         "status 3 when a worker was lost")
     p.add_argument("--fault-timeout", type=float, default=5.0, metavar="S",
-                   help="with --fault-tolerant: a worker silent this long (or 3 of its planned "
-                        "rounds, whichever is longer) is dropped")
+                   help="with --fault-tolerant: a killed worker is dropped at once (its "
+                        "connection closes), a frozen or cut-off one after this long without "
+                        "heartbeats, one that lives but sends nothing after 6 times this long "
+                        "or 3 of its longest rounds, whichever is longer")
     add_transport_option(p, "zmq")
     add_device_option(p)
     p.add_argument("--global-model-on", choices=("host", "device"), default=None,

@@ -75,11 +75,14 @@ def default_strategies() -> list[str]:
            [s for s in STRATEGIES if s not in DEFAULT_ORDER]
 
 
-def add_arguments(p: argparse.ArgumentParser, ranks: bool = True) -> None:
-    """e2e's options (`ranks`: with --ranks; ashl.bench scale has a list of its own)."""
-    p.add_argument("--strategies", default=None,
-                   help=f"comma-separated (default: those of {','.join(DEFAULT_ORDER)} that exist; "
-                        f"now {','.join(default_strategies())}); STRATEGY+SPEC runs it with that "
+def add_arguments(p: argparse.ArgumentParser, ranks: bool = True,
+                  strategies: Optional[str] = None) -> None:
+    """e2e's options (`ranks`: with --ranks; ashl.bench scale has a list of its own, and its
+    own default `strategies`)."""
+    default = strategies or (f"those of {','.join(DEFAULT_ORDER)} that exist; "
+                             f"now {','.join(default_strategies())}")
+    p.add_argument("--strategies", default=strategies,
+                   help=f"comma-separated (default: {default}); STRATEGY+SPEC runs it with that "
                         "outer optimizer, e.g. 'ashl+delayed-nesterov(0.7, 0.5)'")
     p.add_argument("--seeds", default=None, metavar="S0,S1,...",
                    help="run every strategy once per seed; the table shows medians [min-max] "

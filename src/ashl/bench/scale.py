@@ -33,10 +33,10 @@ MAX_SECONDS = 40.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    e2e.add_arguments(p, ranks=False)
+    e2e.add_arguments(p, ranks=False, strategies=DEFAULT_STRATEGIES)
     p.add_argument("--ranks", default=DEFAULT_RANKS, metavar="N0,N1,...",
                    help="the rank counts, each run with every strategy")
-    p.set_defaults(strategies=DEFAULT_STRATEGIES, step_time=scenario.STEP_TIME_S,
+    p.set_defaults(step_time=scenario.STEP_TIME_S,
                    max_seconds=MAX_SECONDS, full_budget=True,
                    json=os.path.join("out", "scale", "scale.json"))
 
