@@ -337,18 +337,21 @@ class Compression:
 
 
 def check_compression(compression, strategy: str, accepted: Sequence[str]) -> "Compressor | None":
-    """The user's compressor as ashl's (Horovod's ``hvd.Compression.none``/``fp16`` are
-    mapped), or a ValueError naming it, and what `strategy` accepts (kinds "none", "fp16",
-    "topk")."""
+    """The user's compressor as ashl's, or a ValueError naming it, and what `strategy`
+    accepts (kinds "none", "fp16", "topk"). Horovod's ``hvd.Compression.fp16`` is ashl's;
+    ``hvd.Compression.none`` is Horovod's default, which its examples pass when no
+    compression was asked for: None, the strategy's own choice (the plan's top-k in SHL),
+    not a forced dense commit (``ashl.Compression.none`` forces that)."""
     if compression is None:
         return None
-    name = getattr(compression, "name", None) or getattr(compression, "__name__", "")
     if not isinstance(compression, Compressor):
-        mapped = {"nonecompressor": Compression.none, "fp16compressor": Compression.fp16}
-        compression = mapped.get(str(name).lower())
-        if compression is None:
-            raise ValueError(f"compression={name or compression!r}: not a compressor ashl knows "
+        name = str(getattr(compression, "__name__", "")).lower()
+        if name == "nonecompressor":   # Horovod's default, passed by its examples: no choice
+            return None
+        if name != "fp16compressor":
+            raise ValueError(f"compression={compression!r}: not a compressor ashl knows "
                              "(use ashl.Compression.none, .fp16 or .topk(ratio))")
+        compression = Compression.fp16
     kind = "topk" if compression.name.startswith("topk") else compression.name
     if kind not in accepted:
         raise ValueError(f"strategy {strategy!r} cannot send with compression="

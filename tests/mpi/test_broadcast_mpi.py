@@ -20,6 +20,10 @@ rows = MPI.COMM_WORLD.allgather(flat.tolist())
 assert all(r == rows[0] for r in rows), rows
 assert int(model[1].num_batches_tracked) == 7
 assert "horovod.torch" not in sys.modules
+plain = torch.nn.Linear(3, 4)   # model.parameters(), no names: Horovod takes those too
+ashl.broadcast_parameters(list(plain.parameters()), root_rank=0)
+flat = torch.cat([p.detach().reshape(-1) for p in plain.parameters()])
+assert all(r == flat.tolist() for r in MPI.COMM_WORLD.allgather(flat.tolist()))
 if rank == 0:              # one line: unbuffered ranks' words would interleave
     print(f"same on {len(rows)} ranks")
 """
@@ -53,6 +57,45 @@ if rank == 0:              # one line: unbuffered ranks' words would interleave
     print(f"same state on {len(rows)} ranks")
 """
 
+# Horovod's resume recipe (its ImageNet example) on an ashl optimizer: rank 0 alone loads the
+# checkpoint's optimizer state, then hvd.broadcast_optimizer_state, whose empty-state step
+# must be the torch optimizer's own (a strategy's step would start the run, or wait in a
+# collective the root never joins), then training.
+RESUME_SCRIPT = """import sys, torch
+import horovod.torch as hvd
+import ashl.torch as ashl
+from mpi4py import MPI
+from ashl.stages import StageConfig
+hvd.init()
+torch.manual_seed(0)
+model = torch.nn.Linear(3, 2)
+saved = torch.optim.Adam(model.parameters(), lr=0.01)
+for _ in range(2):
+    saved.zero_grad()
+    model(torch.randn(5, 3)).square().sum().backward()
+    saved.step()
+checkpoint = saved.state_dict()
+torch.manual_seed(1)
+model = torch.nn.Linear(3, 2)
+opt = ashl.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
+                                named_parameters=model.named_parameters(), strategy=sys.argv[1],
+                                stage_config=StageConfig(max_commits=4))
+if hvd.rank() == 0:
+    opt.load_state_dict(checkpoint)
+hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+hvd.broadcast_optimizer_state(opt, root_rank=0)
+assert opt.counters()["local_steps"] == 0, opt.counters()
+state = [[v.reshape(-1).tolist() for _, v in sorted(s.items())] for s in opt.state.values()]
+rows = MPI.COMM_WORLD.allgather(state)
+assert all(r == rows[0] for r in rows) and len(rows[0]) == 2, rows
+while not opt.finished:
+    opt.zero_grad()
+    model(torch.randn(5, 3)).square().sum().backward()
+    opt.step()
+if hvd.rank() == 0:
+    print(f"resumed on {hvd.size()} ranks, {opt.counters()['local_steps']} steps")
+"""
+
 pytestmark = [pytest.mark.mpi,
               pytest.mark.skipif(_util.skip_reason() is not None, reason=_util.skip_reason() or "")]
 
@@ -70,3 +113,11 @@ def test_optimizer_state_reaches_every_rank_through_host_memory(tmp_path, horovo
     script.write_text(OPTIMIZER_SCRIPT)
     proc = _util.mpirun(2, script, horovod, timeout=90)
     assert "same state on 2 ranks" in proc.stdout
+
+
+@pytest.mark.parametrize("strategy", ["localsgd", "ashl"])
+def test_horovods_broadcast_optimizer_state_takes_the_torch_step(tmp_path, strategy):
+    script = tmp_path / "resume.py"
+    script.write_text(RESUME_SCRIPT)
+    proc = _util.mpirun(2, script, strategy, timeout=90)
+    assert "resumed on 2 ranks" in proc.stdout, proc.stdout + proc.stderr[-3000:]

@@ -116,3 +116,68 @@ def test_sys_exit_with_a_failure_status_is_noted_for_the_exit_hook(monkeypatch):
     assert exit_hook._failure == [] and exits == [None, 0]      # a normal end
     wrapped(3)
     assert exits[-1] == 3 and [f.code for f in exit_hook._failure] == [3]
+
+
+def named_case(case):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 2), torch.nn.Linear(2, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    named = {"parameters": model.parameters(),
+             "subset": model[0].named_parameters(),
+             "duplicates": [("w", model[0].weight), ("w", model[0].bias)]
+                           + list(model[1].named_parameters())}[case]
+    return model, opt, named
+
+
+@pytest.mark.parametrize("case,needle", [
+    ("parameters", "named_parameters should be a sequence of (name, parameter) tuples"),
+    ("subset", "named_parameters was given, but 2 of the optimizer's parameters are not in it"),
+    ("duplicates", "parameter names in named_parameters must be unique; found duplicates: w"),
+])
+def test_named_parameters_are_checked_as_horovod_checks_them(case, needle):
+    """A parameter left out of named_parameters would never travel: the ranks' copies would
+    drift apart with no error."""
+    def rank_fn(comm, fake_hvd):
+        _, opt, named = named_case(case)
+        with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+            ashl.DistributedOptimizer(opt, named_parameters=named, strategy="localsgd",
+                                      comm=comm, hvd=fake_hvd)
+        return True
+    assert FakeWorld(1).run(rank_fn) == [True]
+
+
+def test_an_optimizer_parameter_outside_model_is_refused():
+    def rank_fn(comm, fake_hvd):
+        model = torch.nn.Linear(3, 2)
+        loss_weight = torch.nn.Parameter(torch.ones(1))
+        opt = torch.optim.SGD([*model.parameters(), loss_weight], lr=0.1)
+        with pytest.raises(ValueError, match=r"1 of the optimizer's parameters \(positions \[2\] "
+                                             r"in its param_groups\) are not parameters of model="):
+            ashl.DistributedOptimizer(opt, model=model, strategy="localsgd", comm=comm,
+                                      hvd=fake_hvd)
+        return True
+    assert FakeWorld(1).run(rank_fn) == [True]
+
+
+@pytest.mark.parametrize("first", ["ashl", "horovod"])
+def test_an_optimizer_wrapped_already_is_refused(first):
+    """A hand conversion that keeps hvd.DistributedOptimizer and adds ashl's: both call
+    super(self.__class__, self), which would recurse for ever at the first step."""
+    def rank_fn(comm, fake_hvd):
+        model = torch.nn.Linear(3, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        if first == "ashl":
+            inner = ashl.DistributedOptimizer(opt, model=model, strategy="localsgd", comm=comm,
+                                              hvd=fake_hvd, stage_config=StageConfig(max_commits=1))
+        else:   # Horovod's class, as hvd.DistributedOptimizer builds it (no hvd.init here)
+            from horovod.torch.optimizer import _DistributedOptimizer
+            cls = type("SGD", (torch.optim.SGD,), dict(_DistributedOptimizer.__dict__))
+            inner = cls.__new__(cls)
+            inner.__dict__.update(opt.__dict__)
+        with pytest.raises(ValueError, match="optimizer is a distributed optimizer already"):
+            ashl.DistributedOptimizer(inner, model=model, strategy="localsgd", comm=comm,
+                                      hvd=fake_hvd)
+        if first == "ashl":
+            inner.finish()
+        return True
+    assert FakeWorld(1).run(rank_fn) == [True]

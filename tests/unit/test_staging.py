@@ -199,10 +199,16 @@ def test_staged_bsp_averages_once_per_step_and_zeros_a_gradient_backward_did_not
     assert c0["staging"]["to_host"] == c0["staging"]["to_device"] == 3 + 1
 
 
-def test_a_step_gradscaler_skips_is_not_a_local_step():
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
+@pytest.mark.parametrize("recipe", ["step", "horovod"])
+def test_a_step_gradscaler_skips_is_not_a_local_step(fused, recipe):
+    """GradScaler skips a plain optimizer's step(); a fused one's it calls with found_inf
+    set, and the optimizer skips its own update: neither is a local step. "horovod": the
+    recipe of Horovod's docs (synchronize(), unscale_ and clip, step() within
+    skip_synchronize()), which a model-delta strategy runs unchanged."""
     def rank_fn(comm, hvd):
         model, x, y = model_and_data(comm.Get_rank())
-        opt = ashl.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+        opt = ashl.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, fused=fused),
                                         model=model, strategy="localsgd", local_steps=2,
                                         comm=comm, hvd=hvd,
                                         stage_config=StageConfig(max_commits=2 * 2))
@@ -215,13 +221,49 @@ def test_a_step_gradscaler_skips_is_not_a_local_step():
             scaler.scale(loss).backward()
             if step == 2:
                 model[0].bias.grad[0] = float("nan")
-            scaler.step(opt)
+            if recipe == "horovod":
+                opt.synchronize()
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                with opt.skip_synchronize():
+                    scaler.step(opt)
+            else:
+                scaler.step(opt)
             scaler.update()
             step += 1
         opt.finish()
         return step, opt.counters()["local_steps"]
 
     assert FakeWorld(2).run(rank_fn) == [(5, 4), (5, 4)]
+
+
+@pytest.mark.parametrize("sparse_as_dense", [False, True])
+def test_staged_bsp_averages_a_sparse_gradient(sparse_as_dense, monkeypatch):
+    """An Embedding(sparse=True): averaged dense in the one flat allreduce, then given back
+    sparse for the optimizer (SparseAdam takes nothing else), or left dense with
+    sparse_as_dense, as Horovod's hooks give it."""
+    monkeypatch.setenv(STAGE_ENV, "1")
+
+    def rank_fn(comm, hvd):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 1))
+        opt = ashl.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                        model=model, strategy="bsp", comm=comm, hvd=hvd,
+                                        sparse_as_dense=sparse_as_dense,
+                                        stage_config=StageConfig(max_commits=3))
+        layouts = []
+        while not opt.finished:
+            opt.zero_grad()
+            words = torch.tensor([1, 2, 3]) + 3 * comm.Get_rank()   # each rank its own rows
+            model(words).square().sum().backward()
+            opt.step()
+            layouts.append(model[0].weight.grad.is_sparse)
+        opt.finish()
+        return flat_state(model), layouts
+
+    (m0, l0), (m1, l1) = FakeWorld(2).run(rank_fn)
+    assert torch.equal(m0, m1)
+    assert l0 == l1 and set(l0) == {not sparse_as_dense}
 
 
 # --- on a GPU (skipped without one) ------------------------------------------------------

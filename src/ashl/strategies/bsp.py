@@ -45,8 +45,10 @@ check (in ``scaler.step`` or ``unscale_``) then reads the same gradients on ever
 all ranks step or all skip; averaged in step(), a rank whose own gradients overflowed
 would skip its allreduce and leave the others in theirs. ``synchronize()`` and ``step()``
 average only what backward left unaveraged (a step of fewer passes). A gradient this
-rank's backward did not reach is zeros, as in Horovod. One collective a step instead of one
-per tensor, none of it overlapped with backward. Said once in the log.
+rank's backward did not reach is zeros, as in Horovod. A sparse gradient (an Embedding's
+with sparse=True) is averaged dense and given back sparse, or left dense with
+``sparse_as_dense``. One collective a step instead of one per tensor, none of it overlapped
+with backward. Said once in the log.
 
 ``opt.stage`` reads "TRAIN" while training and "DONE" at the end.
 """
@@ -76,6 +78,7 @@ class BspStrategy(Strategy):
     single_stage = True
     accepts_compression = ("none", "fp16")   # Horovod's own, on the gradients
     backward_passes_per_step = 1            # DistributedOptimizer's, set after construction
+    sparse_as_dense = False                 # DistributedOptimizer's, set after construction
 
     def __init__(self, model, params, *, sampler=None, comm=None,
                  stage_config: Optional[StageConfig] = None, evaluate=None,
@@ -144,9 +147,13 @@ class BspStrategy(Strategy):
         allreduce per gradient dtype (module docstring)."""
         self._passes, self._averaged = 0, True
         params = [p for p in self.optimizer_params() if p.requires_grad]
+        sparse = []
         for p in params:
             if p.grad is None:    # the same tensors on every rank: zeros, as Horovod's
                 p.grad = torch.zeros_like(p)
+            elif p.grad.is_sparse:   # averaged dense (one flat allreduce), given back sparse
+                p.grad = p.grad.to_dense()
+                sparse.append(p)
         grads = [p.grad for p in params]
         by_dtype: dict = {}
         for g in grads:
@@ -163,6 +170,9 @@ class BspStrategy(Strategy):
             self.staging.from_host(flat, summed)
             torch._foreach_copy_(group, [part.view_as(g) for part, g in
                                          zip(flat.split([g.numel() for g in group]), group)])
+        if not self.sparse_as_dense:   # a sparse optimizer (SparseAdam) takes sparse gradients
+            for p in sparse:
+                p.grad = p.grad.to_sparse()
 
     def optimizer_params(self) -> list:
         return [p for g in self.optimizer.param_groups for p in g["params"]]

@@ -34,8 +34,9 @@ def _on_every_rank(verdict: bool) -> bool:
 
 
 def broadcast_parameters(params, root_rank: int = 0) -> None:
-    """Broadcast a state_dict or named parameters from root_rank (Horovod's, unchanged)."""
-    items = sorted(params.items()) if isinstance(params, dict) else list(params)
+    """Broadcast a state_dict, named parameters or parameters from root_rank (Horovod's,
+    unchanged)."""
+    items = _named_items(params)
     hvd = _horovod()
     if hvd is not None and _horovod_takes(hvd, [t for _, t in items]):
         hvd.broadcast_parameters(params if isinstance(params, dict) else items,
@@ -50,12 +51,29 @@ def broadcast_parameters(params, root_rank: int = 0) -> None:
         tensor.data.copy_(host)
 
 
+def _named_items(params) -> list:
+    """(name, tensor) pairs, sorted by name for a dict; a bare parameter gets name None (as
+    Horovod takes both model.named_parameters() and model.parameters())."""
+    if isinstance(params, dict):
+        return sorted(params.items())
+    if isinstance(params, torch.Tensor) or not hasattr(params, "__iter__"):
+        raise ValueError(f"params must be a state_dict, named parameters or parameters, got "
+                         f"{type(params).__name__}")
+    items = [p if isinstance(p, tuple) else (None, p) for p in params]
+    bad = next((p for p in items if len(p) != 2), None)
+    if bad is not None:
+        raise ValueError(f"params: expected (name, tensor) pairs or tensors, got a tuple of "
+                         f"{len(bad)} items")
+    return items
+
+
 def broadcast_optimizer_state(optimizer, root_rank: int = 0, model=None) -> None:
     """Broadcast an optimizer's state and options from root_rank: Horovod's where it takes
     the parameters and state as they are; else Horovod's recipe (an empty state is first
     made by one step on zero gradients) with the tensors through ``broadcast_parameters``
     (host memory, mpi4py) and the other values pickled. An ashl optimizer always takes the
-    second way: Horovod's would run its step(), the strategy's, not the user's class's."""
+    second way, with or without hvd.init(); Horovod's own function works on one too (its
+    class says Horovod's module, so Horovod takes the torch optimizer's step)."""
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("cannot broadcast torch.optim.LBFGS state")
     hvd = _horovod()

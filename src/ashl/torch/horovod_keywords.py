@@ -18,7 +18,8 @@ honoured where it has a meaning there or refused with a ValueError that names it
 
 Strategy "bsp" on a CUDA model under a Horovod without GPU operations averages the gradients
 itself (strategies/bsp.py): op Average and the global process set only; the other keywords
-keep their meaning (the average is the same, one allreduce per gradient dtype).
+keep their meaning (the average is the same, one allreduce per gradient dtype; a sparse
+gradient is averaged dense, and given back sparse unless ``sparse_as_dense``).
 """
 from __future__ import annotations
 

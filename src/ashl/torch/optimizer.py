@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections import Counter
 from typing import Optional
 
 import torch
@@ -19,6 +20,9 @@ from .horovod_keywords import HorovodKeywords
 
 log = logging.getLogger("ashl")
 
+# Where Horovod's DistributedOptimizer lives (horovod.torch.functions compares with it).
+_HOROVOD_OPTIMIZER_MODULE = "horovod.torch.optimizer"
+
 
 class _DistributedOptimizer(torch.optim.Optimizer):
     """Methods mixed into a subclass of the user's optimizer class."""
@@ -26,6 +30,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def step(self, closure=None, loss=None):
         if self._ashl.finished:
             return self._after_the_end()
+        if self._ashl_scaler_skipped():
+            return self._ashl_step(closure)   # the optimizer skips its own update
         self._ashl.before_step()
         result = self._ashl_step(closure)
         if loss is None and closure is not None:
@@ -40,10 +46,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._ashl_warned = True
             log.warning("rank %d: the run has ended (%s); step() does nothing from now on "
                         "(end the loop on opt.finished)", self._ashl.rank, self._ashl.stop_reason)
-        if hasattr(self, "synchronize") and not getattr(self, "_ashl_staged", False):
-            # strategy "bsp": complete Horovod's allreduces
+        if getattr(self, "_ashl_horovod", False):   # strategy "bsp": complete Horovod's allreduces
             self.synchronize()
         return None
+
+    def _ashl_scaler_skipped(self) -> bool:
+        return False
 
     def _ashl_step(self, closure=None):
         """The local update: the user's optimizer's step (strategy "bsp": Horovod's, which
@@ -101,12 +109,31 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._ashl.finish()
 
 
+class _DeltaOptimizer(torch.optim.Optimizer):
+    """The strategies that merge model deltas: a step is local (its gradients are this
+    rank's own), so Horovod's synchronize() has nothing to wait for. Kept so that Horovod's
+    clip and GradScaler recipe (synchronize(), unscale or clip, then step() within
+    skip_synchronize()) runs unchanged."""
+
+    def synchronize(self) -> None:
+        """Nothing to wait for: the gradients are this rank's own."""
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        yield
+
+    def _ashl_scaler_skipped(self) -> bool:
+        """GradScaler found an inf or NaN and set ``found_inf`` around a fused optimizer's
+        step(), which then skips its update itself: not a local step, as with any other
+        optimizer, whose step() GradScaler does not call at all."""
+        found_inf = getattr(self, "found_inf", None)
+        return isinstance(found_inf, torch.Tensor) and bool(found_inf.item())
+
+
 class _StagedBspOptimizer(torch.optim.Optimizer):
     """Strategy "bsp" where Horovod cannot take the gradients (bsp.py): ashl averages them
     at step(), with Horovod's synchronize() and skip_synchronize() for the scripts that
     unscale or clip between the two (GradScaler)."""
-
-    _ashl_staged = True
 
     def synchronize(self) -> None:
         """Average the gradients now; the next step() does not average them again."""
@@ -143,7 +170,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     the others raise a ValueError naming them). Strategy "bsp" hands them to Horovod.
 
     compression: force a compressor for every commit: ``Compression.none``, ``.fp16`` or
-        ``.topk(ratio)`` (Horovod's ``hvd.Compression.none``/``.fp16`` are taken too). Default:
+        ``.topk(ratio)`` (Horovod's ``hvd.Compression.fp16`` is taken as ashl's; its default
+        ``hvd.Compression.none``, which its examples pass, as no choice). Default:
         the plan's (dense in AHL, top-k at each rank's planned ratio in SHL). The
         parameter-server strategies take all three; "bsp" none and fp16 (Horovod's, on the
         gradients); "ashl-sync" and "localsgd" only none. Others raise a ValueError.
@@ -190,12 +218,18 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if type(optimizer).__module__ == _HOROVOD_OPTIMIZER_MODULE:
+        raise ValueError("optimizer is a distributed optimizer already (hvd.DistributedOptimizer "
+                         "or ashl.torch.DistributedOptimizer): pass the torch optimizer itself; "
+                         "ashl's replaces Horovod's, it does not wrap it")
     horovod = HorovodKeywords(backward_passes_per_step, op, gradient_predivide_factor,
                               num_groups, groups, sparse_as_dense, process_set)
     if strategy != "bsp":
         horovod.check_for_deltas(strategy)
     if named_parameters is not None:
-        named_parameters = list(named_parameters)
+        named_parameters = _checked_named_parameters(optimizer, named_parameters)
+    if model is not None:
+        _check_model_holds(optimizer, model)
     params = _params(optimizer, model, named_parameters)
     kwargs = _strategy_options(strategy, staleness, config)
     _store_flat(model, params, strategy, flat_storage)
@@ -213,14 +247,20 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         body = dict(_DistributedOptimizer.__dict__)
         if strategy == "bsp":   # a CUDA model, a Horovod without GPU operations (bsp.py)
             horovod.check_for_staged_gradients()
-            body.update((k, v) for k, v in _StagedBspOptimizer.__dict__.items()
-                        if k not in ("__dict__", "__weakref__", "__module__", "__doc__"))
+        mixin = _StagedBspOptimizer if strategy == "bsp" else _DeltaOptimizer
+        body.update((k, v) for k, v in mixin.__dict__.items()
+                    if k not in ("__dict__", "__weakref__", "__module__", "__doc__"))
+        # hvd.broadcast_optimizer_state makes an empty state with one step() on zero
+        # gradients, the wrapped optimizer's own unless the class's module is Horovod's
+        # (a strategy's step would start the run, or wait in a collective the root skips).
+        body["__module__"] = _HOROVOD_OPTIMIZER_MODULE
         cls = type(optimizer.__class__.__name__, (optimizer.__class__,), body)
         wrapped = cls.__new__(cls)
         wrapped.__dict__.update(optimizer.__dict__)   # the same param_groups and state objects
     wrapped._ashl = engine
     engine.optimizer = wrapped
     engine.backward_passes_per_step = backward_passes_per_step
+    engine.sparse_as_dense = sparse_as_dense
     leave_at_exit(wrapped)
     return wrapped
 
@@ -241,13 +281,49 @@ def _store_flat(model, params, strategy: str, flat_storage: Optional[bool]) -> N
                     "tensor by tensor", why)
 
 
+def _optimizer_params(optimizer) -> list:
+    return [p for g in optimizer.param_groups for p in g["params"]]
+
+
+def _checked_named_parameters(optimizer, named_parameters) -> list:
+    """Horovod's three checks: (name, parameter) pairs, unique names, every parameter of the
+    optimizer named (one left out would never travel, and the ranks' copies drift apart)."""
+    named = list(named_parameters)
+    if not all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[1], torch.Tensor)
+               for p in named):
+        raise ValueError("named_parameters should be a sequence of (name, parameter) tuples, "
+                         "usually produced by model.named_parameters()")
+    duplicates = sorted(str(n) for n, k in Counter(name for name, _ in named).items() if k > 1)
+    if duplicates:
+        raise ValueError("parameter names in named_parameters must be unique; found "
+                         f"duplicates: {', '.join(duplicates)}")
+    given = {id(p) for _, p in named}
+    unnamed = [i for i, p in enumerate(_optimizer_params(optimizer)) if id(p) not in given]
+    if unnamed:
+        raise ValueError(f"named_parameters was given, but {len(unnamed)} of the optimizer's "
+                         f"parameters are not in it (positions {unnamed[:10]} in its "
+                         "param_groups): they would never be synchronised")
+    return named
+
+
+def _check_model_holds(optimizer, model) -> None:
+    """model= says what travels: an optimizer parameter outside it (a learnable loss weight,
+    another module's) would train apart on every rank."""
+    held = {id(p) for p in model.parameters()}
+    outside = [i for i, p in enumerate(_optimizer_params(optimizer)) if id(p) not in held]
+    if outside:
+        raise ValueError(f"{len(outside)} of the optimizer's parameters (positions "
+                         f"{outside[:10]} in its param_groups) are not parameters of model=: "
+                         "they would never be synchronised; make them part of the model")
+
+
 def _params(optimizer, model, named_parameters) -> list:
     if model is not None:
         params = [p for p in model.parameters()]
     elif named_parameters is not None:
         params = [p for _, p in named_parameters]
     else:
-        params = [p for g in optimizer.param_groups for p in g["params"]]
+        params = _optimizer_params(optimizer)
     if not params:
         raise ValueError("no parameters to train")
     return params
@@ -320,6 +396,7 @@ def _wrap_horovod(optimizer: torch.optim.Optimizer, model, named_parameters, hor
     body.update((k, v) for k, v in _DistributedOptimizer.__dict__.items()
                 if k not in ("__dict__", "__weakref__", "__module__", "__doc__"))
     body["_ashl_step"] = _HorovodOptimizer.step
+    body["_ashl_horovod"] = True
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), body)
     inner.__class__ = cls
     return inner
