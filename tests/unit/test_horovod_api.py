@@ -181,3 +181,12 @@ def test_an_optimizer_wrapped_already_is_refused(first):
             inner.finish()
         return True
     assert FakeWorld(1).run(rank_fn) == [True]
+
+
+@pytest.mark.parametrize("strategy", ["bsp", "localsgd"])
+def test_a_misspelled_option_is_refused_by_every_strategy(strategy):
+    def rank_fn(comm, fake_hvd):
+        with pytest.raises(TypeError, match="unexpected keyword argument 'evalute'"):
+            build(comm, fake_hvd, strategy=strategy, evalute=None)
+        return True
+    assert FakeWorld(1).run(rank_fn) == [True]

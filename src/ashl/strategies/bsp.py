@@ -83,8 +83,9 @@ class BspStrategy(Strategy):
     def __init__(self, model, params, *, sampler=None, comm=None,
                  stage_config: Optional[StageConfig] = None, evaluate=None,
                  eval_every_s: float = 2.0, control_every: int = 1, heterogeneity=None,
-                 compression=None, hvd=None, **ignored):
-        # ignored: profile_steps, planner_config, drift_config (nothing to plan)
+                 compression=None, hvd=None, profile_steps=None, planner_config=None,
+                 drift_config=None):
+        del profile_steps, planner_config, drift_config   # nothing to profile or plan
         world = world_comm(comm)
         super().__init__(model, params, comm=world, sampler=sampler, heterogeneity=heterogeneity,
                          evaluate=evaluate, eval_every_s=eval_every_s, control_rank=0,
