@@ -1,6 +1,7 @@
 """What a converted Horovod script passes: hvd.DistributedOptimizer's keywords, and
 DistributedSampler's signature (each honoured, or refused with a message naming it)."""
 import inspect
+import warnings
 
 import horovod.torch as hvd
 import pytest
@@ -188,5 +189,40 @@ def test_a_misspelled_option_is_refused_by_every_strategy(strategy):
     def rank_fn(comm, fake_hvd):
         with pytest.raises(TypeError, match="unexpected keyword argument 'evalute'"):
             build(comm, fake_hvd, strategy=strategy, evalute=None)
+        return True
+    assert FakeWorld(1).run(rank_fn) == [True]
+
+
+def test_an_lr_scheduler_built_before_wrapping_leaves_step_to_ashl():
+    """torch's scheduler puts a wrapper of the old object's step() in its __dict__, which the
+    wrapped optimizer shares: it must not bypass ashl's step (the lr still follows)."""
+    def rank_fn(comm, fake_hvd):
+        model = torch.nn.Linear(3, 1)
+        base = torch.optim.SGD(model.parameters(), lr=0.1)
+        sched = torch.optim.lr_scheduler.StepLR(base, step_size=2, gamma=0.5)
+        opt = ashl.DistributedOptimizer(base, model=model, strategy="localsgd", local_steps=2,
+                                        comm=comm, hvd=fake_hvd,
+                                        stage_config=StageConfig(max_commits=3))
+        while not opt.finished:
+            opt.zero_grad()
+            model(torch.randn(4, 3)).sum().backward()
+            opt.step()
+            with warnings.catch_warnings():   # the old object never stepped (as with Horovod)
+                warnings.simplefilter("ignore", UserWarning)
+                sched.step()
+        counters = opt.counters()
+        opt.finish()
+        return counters["local_steps"], counters["commits"], opt.param_groups[0]["lr"]
+    assert FakeWorld(1).run(rank_fn) == [(6, 3, 0.1 * 0.5 ** 3)]
+
+
+@pytest.mark.parametrize("strategy", ["bsp", "localsgd"])
+def test_an_option_switched_off_passes_for_a_strategy_without_it(strategy, monkeypatch):
+    """`ashl.train --no-overlap` passes overlap=False whatever the strategy."""
+    monkeypatch.setenv("ASHL_STAGE_WIRE", "1")   # bsp: ashl's own optimizer on FakeHorovod
+    def rank_fn(comm, fake_hvd):
+        _, opt = build(comm, fake_hvd, strategy=strategy, overlap=False, fault_tolerant=False,
+                       outer_optimizer=None, stage_config=StageConfig(max_commits=1))
+        opt.finish()
         return True
     assert FakeWorld(1).run(rank_fn) == [True]

@@ -153,8 +153,8 @@ class BspStrategy(Strategy):
             if p.grad is None:    # the same tensors on every rank: zeros, as Horovod's
                 p.grad = torch.zeros_like(p)
             elif p.grad.is_sparse:   # averaged dense (one flat allreduce), given back sparse
+                sparse.append((p, p.grad.sparse_dim()))   # an Embedding's: by row
                 p.grad = p.grad.to_dense()
-                sparse.append(p)
         grads = [p.grad for p in params]
         by_dtype: dict = {}
         for g in grads:
@@ -172,8 +172,8 @@ class BspStrategy(Strategy):
             torch._foreach_copy_(group, [part.view_as(g) for part, g in
                                          zip(flat.split([g.numel() for g in group]), group)])
         if not self.sparse_as_dense:   # a sparse optimizer (SparseAdam) takes sparse gradients
-            for p in sparse:
-                p.grad = p.grad.to_sparse()
+            for p, sparse_dim in sparse:
+                p.grad = p.grad.to_sparse(sparse_dim=sparse_dim)
 
     def optimizer_params(self) -> list:
         return [p for g in self.optimizer.param_groups for p in g["params"]]

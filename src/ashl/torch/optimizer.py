@@ -257,6 +257,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         cls = type(optimizer.__class__.__name__, (optimizer.__class__,), body)
         wrapped = cls.__new__(cls)
         wrapped.__dict__.update(optimizer.__dict__)   # the same param_groups and state objects
+        # An LR scheduler built before wrapping left the old object's step() in its
+        # __dict__ (bound to it): it would bypass ashl's. Its lr changes still reach the
+        # shared param_groups, as with Horovod's wrapper.
+        wrapped.__dict__.pop("step", None)
     wrapped._ashl = engine
     engine.optimizer = wrapped
     engine.backward_passes_per_step = backward_passes_per_step
@@ -333,6 +337,12 @@ def _strategy_options(strategy: str, staleness, config: dict) -> dict:
     if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
         raise ValueError(f"staleness must be an integer >= 0, got {staleness!r}")
     kwargs = dict(config)
+    # An option's "off" passes for a strategy without it (a CLI passes --no-overlap as is).
+    for key, applies in (("overlap", strategy in OVERLAPPING),
+                         ("fault_tolerant", strategy in FAULT_TOLERANT),
+                         ("outer_optimizer", strategy != "bsp")):
+        if not applies and key in kwargs and kwargs[key] in (None, False):
+            del kwargs[key]
     if kwargs.get("fault_tolerant") and strategy not in FAULT_TOLERANT:
         raise ValueError(f"fault_tolerant=True: strategy {strategy!r} is synchronous and "
                          "fail-stop (every round needs every rank); a run that survives a lost "
