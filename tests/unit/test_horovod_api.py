@@ -226,3 +226,15 @@ def test_an_option_switched_off_passes_for_a_strategy_without_it(strategy, monke
         opt.finish()
         return True
     assert FakeWorld(1).run(rank_fn) == [True]
+
+
+def test_broadcast_parameters_takes_what_horovods_takes_and_names_anything_else():
+    from ashl.torch.functions import _named_items
+    w, b = torch.zeros(2, 3), torch.ones(2)
+    assert _named_items({"w": w, "b": b}) == [("b", b), ("w", w)]     # a state_dict, sorted
+    assert _named_items([w, ("b", b)]) == [(None, w), ("b", b)]      # bare parameters too
+    for bad in ([["w", w]], [("w", w, 1)], [("w", 3)]):               # would broadcast nothing
+        with pytest.raises(ValueError, match="expected \\(name, tensor\\) pairs or tensors"):
+            _named_items(bad)
+    with pytest.raises(ValueError, match="got Tensor"):
+        _named_items(w)

@@ -60,10 +60,10 @@ def _named_items(params) -> list:
         raise ValueError(f"params must be a state_dict, named parameters or parameters, got "
                          f"{type(params).__name__}")
     items = [p if isinstance(p, tuple) else (None, p) for p in params]
-    bad = next((p for p in items if len(p) != 2), None)
-    if bad is not None:
-        raise ValueError(f"params: expected (name, tensor) pairs or tensors, got a tuple of "
-                         f"{len(bad)} items")
+    bad = next((p for p in items if len(p) != 2 or not isinstance(p[1], torch.Tensor)), None)
+    if bad is not None:   # it would be skipped: nothing broadcast, no error
+        raise ValueError(f"params: expected (name, tensor) pairs or tensors, got "
+                         f"{bad[1] if len(bad) == 2 and bad[0] is None else bad!r:.80}")
     return items
 
 
