@@ -61,6 +61,7 @@ class Reply:
     bytes_sent: int                 # the commit message's size
     dropped: bool = False           # the server had dropped this rank as lost
     commit_rate: int = 0            # adsp: the scheduler's commits per check period (0: none)
+    shares_epoch: int = 0           # the data shares of `stage` (and the plan) apply from it
 
 
 @dataclass
@@ -146,7 +147,7 @@ class ServerClient:
                      stage=h.stage, version=h.base_version,
                      model=answer.dense() if h.numel else None, plan=plan,
                      bytes_sent=header.nbytes, dropped=bool(h.flags & Flag.DROPPED),
-                     commit_rate=h.local_steps)
+                     commit_rate=h.local_steps, shares_epoch=h.epoch)
 
     def join(self, request: dict) -> tuple[dict, Optional[Reply]]:
         """A replacement asks for a lost rank's slot (`request`: its compute time per step,

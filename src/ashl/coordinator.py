@@ -77,6 +77,8 @@ class Directive:
     stop: bool
     reason: str = ""
     plan: Plan | None = None     # set when the reporting rank's plan is out of date
+    shares_epoch: int = 0        # the epoch from which the data shares of the run's current
+                                 # plan and stage apply, on every rank
 
 
 @dataclass(frozen=True)
@@ -150,6 +152,12 @@ class Coordinator:
         self._replanned_time = float("-inf")
         self._seen_transitions = 0
         self.live = set(range(n_ranks))
+        # Data shares change with the plan and the stage, but the ranks hear of a change at
+        # different moments and in different epochs: every rank takes new shares from one
+        # epoch that none has begun yet, so each epoch stays one permutation of the data.
+        self._epochs: dict[int, int] = {}     # each rank's last reported epoch
+        self._epoch_lead = 0                  # most epochs a rank began between two reports
+        self.shares_epoch = 0
         # How a strategy plans a subset of its ranks (the survivors of a lost rank); the
         # default is make_plan with this coordinator's planner config.
         self.plan_for: Callable[[Sequence[RankProfile]], Plan] = (
@@ -174,10 +182,28 @@ class Coordinator:
         self.events.append(event)
         log.info("%s: plan v%d, stage %s (%s)", kind, event.plan_version, event.stage, reason)
 
+    def note_epochs(self, epochs: Sequence[int]) -> None:
+        """Every rank's epoch, all at once (a collective: none is moving): new shares apply
+        from the next one."""
+        self._epochs = {r: int(e) for r, e in enumerate(epochs)}
+        self.shares_epoch = max(self._epochs.values(), default=0) + 1
+
+    def _note_epoch(self, rank: int, epoch: int) -> None:
+        last = self._epochs.get(rank)
+        if last is not None and epoch > last:
+            self._epoch_lead = max(self._epoch_lead, epoch - last)
+        self._epochs[rank] = epoch if last is None else max(epoch, last)
+
+    def _restamp_shares(self) -> None:
+        """New shares: from past the furthest epoch a rank may have begun since it reported."""
+        self.shares_epoch = max(self._epochs.values(), default=0) + self._epoch_lead + 1
+
     def _sync_stage(self) -> None:
         """Log new transitions and point the global-loss weights at the current stage."""
         for t in self.machine.transitions[self._seen_transitions:]:
             kind = "stop" if t.to_stage is Stage.DONE else "stage"
+            if t.to_stage.training:
+                self._restamp_shares()
             self._log(kind, f"{t.from_stage.value} -> {t.to_stage.value}: {t.reason}")
         self._seen_transitions = len(self.machine.transitions)
         if self.plan is not None and self.stage.training:
@@ -186,7 +212,7 @@ class Coordinator:
     def directive(self, rank_plan_version: int | None = None) -> Directive:
         version = self.plan.version if self.plan else 0
         return Directive(plan_version=version, stage=self.stage, stop=self.machine.done,
-                         reason=self.machine.stop_reason or "",
+                         reason=self.machine.stop_reason or "", shares_epoch=self.shares_epoch,
                          plan=self.plan if self.plan is not None and rank_plan_version != version else None)
 
     # -------------------------------------------------------------- events
@@ -231,6 +257,7 @@ class Coordinator:
             self._steps[r].append(float(report.step_s))
         if positive_seconds(report.link_s) and positive_seconds(report.link_ratio):
             self._links[r].append((float(report.link_s), float(report.link_ratio)))
+        self._note_epoch(r, int(report.epoch))
         loss = report.loss if report.loss is not None and math.isfinite(report.loss) else None
         self.machine.commit(r, self.clock(), loss)
         self._sync_stage()
@@ -267,6 +294,8 @@ class Coordinator:
         self._log("plan", reason)
 
     def _plan_live(self, profiles: Sequence[RankProfile], version: int, reason: str) -> Plan:
+        """A re-plan of the live ranks (its shares, from a new shares epoch)."""
+        self._restamp_shares()
         live = sorted(self.live)
         sub = self.plan_for([profiles[r] for r in live])
         return embed_plan(sub, live, profiles, version=version, reason=reason)
@@ -389,6 +418,7 @@ class MPICoordinator:
         self.plan: Plan | None = None
         self._lock = threading.Lock()
         self._closed = False
+        self.shares_epoch: int | None = None    # the first plan's, once broadcast
 
     @property
     def is_root(self) -> bool:
@@ -459,23 +489,28 @@ class MPICoordinator:
         return push, pull
 
     # ------------------------------------------------------------------ plans
-    def gather_profiles(self, profile: RankProfile) -> list[RankProfile] | None:
-        """All ranks' profiles on the root (index = rank); None elsewhere."""
+    def gather_profiles(self, profile: RankProfile, epoch: int = 0) -> list[RankProfile] | None:
+        """All ranks' profiles on the root (index = rank), and their epochs to the
+        coordinator; None elsewhere."""
         self.barrier()       # wait politely for the slowest rank; the gather itself is then quick
-        gathered = self.comm.gather(profile.to_dict(), root=self.root)
+        gathered = self.comm.gather((profile.to_dict(), int(epoch)), root=self.root)
         if not self.is_root:
             return None
-        return [RankProfile.from_dict(d, where=f"rank {i}") for i, d in enumerate(gathered)]
+        with self._lock:
+            self.coordinator.note_epochs([e for _, e in gathered])
+        return [RankProfile.from_dict(d, where=f"rank {i}") for i, (d, _) in enumerate(gathered)]
 
     def broadcast_plan(self, plan: Plan | None = None) -> Plan:
-        """The root's plan on every rank (each rank parses the same JSON)."""
-        text = plan.to_json() if self.is_root else None
-        self.plan = Plan.from_json(self.comm.bcast(text, root=self.root))
+        """The root's plan on every rank (each rank parses the same JSON), and the epoch its
+        data shares apply from (`shares_epoch`)."""
+        sent = (plan.to_json(), self.coordinator.shares_epoch) if self.is_root else None
+        text, self.shares_epoch = self.comm.bcast(sent, root=self.root)
+        self.plan = Plan.from_json(text)
         return self.plan
 
-    def establish_plan(self, profile: RankProfile) -> Plan:
+    def establish_plan(self, profile: RankProfile, epoch: int = 0) -> Plan:
         """Gather profiles, plan on the root, broadcast (collective; all ranks equal)."""
-        profiles = self.gather_profiles(profile)
+        profiles = self.gather_profiles(profile, epoch)
         plan = None
         if self.is_root:
             with self._lock:

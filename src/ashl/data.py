@@ -50,6 +50,8 @@ def _split_indices(n: int, test_fraction: float, seed: int, labels: np.ndarray |
     for c in np.unique(labels):
         idx = rng.permutation(np.flatnonzero(labels == c))
         n_test = int(round(len(idx) * test_fraction))
+        if len(idx) >= 2:   # a small class keeps a sample on each side (else no test set)
+            n_test = min(len(idx) - 1, max(1, n_test))
         test.append(idx[:n_test])
         train.append(idx[n_test:])
     return np.sort(np.concatenate(train)), np.sort(np.concatenate(test))

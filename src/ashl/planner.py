@@ -164,6 +164,10 @@ class PlannerConfig:
     max_h_shl: int | None = None
     dense_bytes: int | None = None      # dense payload size; needed only for link models
     overlap: bool = False               # commits overlap the next round's steps
+    timing_tolerance: float = 0.02      # a rank's steps may outlast the time they fit by this
+                                        # fraction, by one step at most: measured speeds 1 : 4
+                                        # come out as 1 : 3.999, and flooring 7.999 steps to 7
+                                        # idles a rank for a step
 
     def __post_init__(self) -> None:
         self.validate()
@@ -198,6 +202,9 @@ class PlannerConfig:
             cap = getattr(self, name)
             if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < k):
                 raise ValueError(f"{where}: {name} must be None or an integer >= its stage's k ({k}), got {cap!r}")
+        if not (_is_number(self.timing_tolerance) and 0 <= self.timing_tolerance < 0.5):
+            raise ValueError(f"{where}: timing_tolerance must be a number in [0, 0.5), "
+                             f"got {self.timing_tolerance!r}")
         if not isinstance(self.overlap, bool):
             raise ValueError(f"{where}: overlap must be True or False, got {self.overlap!r}")
         if self.dense_bytes is not None:
@@ -208,8 +215,13 @@ class PlannerConfig:
     def authors(cls, **changes) -> "PlannerConfig":
         """The authors' planning rules (docs/PLANNER.md, "The authors' rules, on request")."""
         rules = dict(share_source="shl", rounding="half_even", sparse_bytes_factor=1.0,
-                     comm_budget=None)
+                     comm_budget=None, timing_tolerance=0.0)
         return cls(**{**rules, **changes})
+
+    @property
+    def floor_tolerance(self) -> float:
+        """The stretch the floor rule allows (the half rules already round to the nearest)."""
+        return self.timing_tolerance if self.rounding == "floor" else 0.0
 
     def stage_params(self, stage: str) -> tuple[int, float, int | None]:
         """(k, target ratio, cap) of a stage."""
@@ -505,10 +517,15 @@ def round_seconds(steps: int, compute_s: float, comm_s: float, overlap: bool = F
 
 
 def steps_that_fit(round_s: float, compute_s: float, comm_s: float, overlap: bool = False,
-                   rounding: str = "floor") -> int:
-    """The most local steps whose round (``round_seconds``) fits in `round_s`."""
+                   rounding: str = "floor", tolerance: float = 0.0) -> int:
+    """The most local steps whose round (``round_seconds``) fits in `round_s`; one more when
+    it misses by no more than `tolerance` of the steps' time (what measured step times are
+    accurate to: 7.999 steps are 8)."""
     room = round_s if overlap else round_s - comm_s
-    return round_local_steps(room / compute_s, rounding)
+    x = room / compute_s
+    h = round_local_steps(x, rounding)
+    up = math.ceil(x)
+    return up if h < up <= x * (1 + tolerance) else h
 
 
 def exposed_comm(steps: int, compute_s: float, comm_s: float, overlap: bool = False) -> float:
@@ -518,24 +535,26 @@ def exposed_comm(steps: int, compute_s: float, comm_s: float, overlap: bool = Fa
 
 
 def rank_steps(compute: Sequence[float], comm: Sequence[float], k: int, rounding: str = "floor",
-               cap: int | None = None, overlap: bool = False) -> tuple[int, tuple[int, ...]]:
+               cap: int | None = None, overlap: bool = False, tolerance: float = 0.0
+               ) -> tuple[int, tuple[int, ...]]:
     """(bottleneck, H): the rank with the longest round at k steps gets k; every other rank
-    the most steps (>= k, <= cap) that fit the bottleneck's round. With overlap the
-    bottleneck too (its round may be its link's, with room for more than k steps)."""
+    the most steps (>= k, <= cap) that fit the bottleneck's round (give or take `tolerance`
+    of it). With overlap the bottleneck too (its round may be its link's, with room for
+    more than k steps)."""
     rounds = [round_seconds(k, c, cm, overlap) for c, cm in zip(compute, comm)]
     b = max(range(len(rounds)), key=lambda i: (rounds[i], -i))
     target = rounds[b]
     steps = []
     for i, (c, cm) in enumerate(zip(compute, comm)):
         h = k if i == b and not overlap else max(k, steps_that_fit(target, c, cm, overlap,
-                                                                   rounding))
+                                                                   rounding, tolerance))
         steps.append(h if cap is None else min(h, cap))
     return b, tuple(steps)
 
 
 def bottleneck_steps(compute: Sequence[float], comm: Sequence[float], k_max: int,
                      comm_budget: float | None, rounding: str = "floor",
-                     cap: int | None = None, overlap: bool = False
+                     cap: int | None = None, overlap: bool = False, tolerance: float = 0.0
                      ) -> tuple[int, int, tuple[int, ...]]:
     """(k, bottleneck, H): the fewest local steps k <= k_max for the bottleneck such that its
     communication is at most `comm_budget` of its round and no rank, its H_i rounded to whole
@@ -545,7 +564,7 @@ def bottleneck_steps(compute: Sequence[float], comm: Sequence[float], k_max: int
     fixed rule: k = k_max."""
     candidates = range(1, k_max + 1) if comm_budget is not None else (k_max,)
     for k in candidates:
-        b, steps = rank_steps(compute, comm, k, rounding, cap, overlap)
+        b, steps = rank_steps(compute, comm, k, rounding, cap, overlap, tolerance)
         if (comm_budget is None or k == k_max
                 or within_budget(compute, comm, b, steps, comm_budget, overlap)):
             return k, b, steps
@@ -570,10 +589,10 @@ def _dense_fits(profiles, compute, pull, k_max, r0, cap, config) -> bool:
     overlap = config.overlap
     dense = [push_seconds(p, 1.0, config) + d for p, d in zip(profiles, pull)]
     k, b, steps = bottleneck_steps(compute, dense, k_max, config.comm_budget, config.rounding,
-                                   cap, overlap)
+                                   cap, overlap, config.floor_tolerance)
     sparse = [push_seconds(p, r0, config) + d + float(p.compress_s) for p, d in zip(profiles, pull)]
     k_sparse = bottleneck_steps(compute, sparse, k_max, config.comm_budget, config.rounding,
-                                cap, overlap)[0]
+                                cap, overlap, config.floor_tolerance)[0]
     return k <= k_sparse and within_budget(compute, dense, b, steps, config.comm_budget, overlap)
 
 
@@ -591,7 +610,8 @@ def plan_stage(profiles: Sequence[RankProfile], config: PlannerConfig, stage: st
 
     overlap = config.overlap
     k, bottleneck, local_steps = bottleneck_steps(compute, comm, k_max, config.comm_budget,
-                                                  config.rounding, cap, overlap)
+                                                  config.rounding, cap, overlap,
+                                                  config.floor_tolerance)
 
     # The longest round after rounding (only differs from target with half_up/half_even).
     busy = [round_seconds(h, c, cm, overlap) for c, h, cm in zip(compute, local_steps, comm)]
@@ -600,7 +620,7 @@ def plan_stage(profiles: Sequence[RankProfile], config: PlannerConfig, stage: st
     for i, p in enumerate(profiles):
         if not compressing:
             ratios.append(1.0)
-        elif i == bottleneck or busy[i] >= longest:
+        elif i == bottleneck:
             ratios.append(r0)
         else:
             # with overlap the commit's trip has the whole round, beside the steps

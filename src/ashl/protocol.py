@@ -22,7 +22,8 @@ Payload layouts:
   PLAN, SUMMARY, JOIN numel bytes of UTF-8 JSON (dtype UINT8), never pickled
 A REPLY may also carry nothing (dtype NONE), e.g. the answer to a commit after DONE. Its
 local_steps field carries a time-based strategy's commit-rate target (adsp's c_target; 0:
-none), so the scheduler's decisions need no channel of their own.
+none), so the scheduler's decisions need no channel of their own; its epoch field the epoch
+from which the data shares of the run's current plan and stage apply (the same on every rank).
 The stage byte is ``ashl.stages.Stage.code``.
 
 Optional float measurements use NaN for "not measured" (CommitReport's None); infinities

@@ -407,7 +407,8 @@ class ParameterServer:
         header = Header(kind=Kind.REPLY, rank=self.rank, stage=directive.stage,
                         commit=asked.commit, base_version=self.version,
                         plan_version=directive.plan_version, dtype=protocol.DType.of(body.dtype),
-                        numel=body.numel(), flags=flags, local_steps=self.commit_rate)
+                        numel=body.numel(), flags=flags, local_steps=self.commit_rate,
+                        epoch=directive.shares_epoch)
         return OutgoingReply(rank, header, body, directive.plan)
 
     def _downlink(self) -> torch.Tensor:

@@ -382,3 +382,23 @@ def test_a_checkpoint_of_another_run_is_refused_on_every_rank(tmp_path):
     assert len(lines) == 1, proc.stderr      # every rank refuses, rank 0 says why
     assert f"{ckpt / 'ckpt.pt'} is of a 3-rank run" in lines[0] and "2 ranks" in lines[0]
     assert not (tmp_path / "out" / "summary.json").exists()
+
+    # a run file of this job's shape whose plan this version cannot read (another ashl's):
+    # refused at the load, naming the file, not with a traceback at the first step
+    from ashl.bench.scenario import model_bytes
+    from ashl.planner import PlannerConfig
+    numel = model_bytes("mlp", "digits") // 4
+    plan = {"version": 1, "profiles": [{"compute_s": 0.01}] * 2,
+            "config": {**PlannerConfig().to_dict(), "a_later_knob": 1}}
+    checkpoint.atomic_save({"format": checkpoint.FORMAT, "strategy": "ashl", "size": 2,
+                            "numel": numel, "plan": plan, "stage": "AHL"},
+                           str(ckpt / "ckpt.pt"))
+    for r in (0, 1):
+        checkpoint.atomic_save({"format": checkpoint.FORMAT, "rank": r}, f"{ckpt}/ckpt.pt.rank{r}")
+    proc = mpirun_train(2, "--checkpoint-dir", ckpt, "--resume", "--max-seconds", "60",
+                        "--no-progress", "--out", tmp_path / "out")
+    assert proc.returncode == 2, proc.stderr
+    lines = [l for l in proc.stderr.splitlines() if l.startswith("ashl.train: error")]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"{ckpt / 'ckpt.pt'}: its plan or stage cannot be read" in lines[0]
+    assert "a_later_knob" in lines[0]

@@ -70,6 +70,39 @@ def test_checkpoint_and_resume_continue_the_run(tmp_path):
     check_run_resumed(second, saved, saved_commits)
 
 
+def test_every_epoch_is_one_permutation_of_the_data_while_the_plan_changes(tmp_path):
+    """Uneven ranks are in different epochs when a re-plan or the stage switch reaches them;
+    each took the new shares at its own next epoch, so an epoch read some samples twice and
+    skipped others (21 of 67 epochs in a review's run). Now every rank takes them from the
+    epoch the coordinator names."""
+    out = tmp_path / "epochs.json"
+    mpirun(2, Path(__file__).with_name("shares_epochs.py"), out, timeout=150,
+           env={"ASHL_EMULATE_COMPUTE": "1,3"})
+    result = json.loads(out.read_text())
+    assert result["late"] == [0, 0]
+    assert len(result["epochs"]) >= 5
+    for epoch, per_rank in result["epochs"].items():
+        read = sum(per_rank, [])
+        assert sorted(read) == list(range(result["n"])), \
+            f"epoch {epoch}: {[len(r) for r in per_rank]} samples"
+    # and the shares did change: the slow rank reads fewer in the late epochs
+    last = result["epochs"][max(result["epochs"], key=int)]
+    assert len(last[1]) < len(last[0])
+
+
+def test_a_checkpoint_loaded_on_rank_0_alone_is_refused_on_every_rank_not_a_hang(tmp_path):
+    """Horovod's recipe (rank 0 loads, then broadcasts) applied to ashl's checkpoint left
+    rank 0 in the resume's barrier and the others profiling, for ever."""
+    script = Path(__file__).with_name("rank0_resume.py")
+    ckpt = tmp_path / "run.ckpt"
+    mpirun(2, script, "--save", ckpt, timeout=120)
+    proc = mpirun(2, script, "--resume", ckpt, timeout=120, check=False)
+    assert proc.returncode != 0, proc.stderr
+    # every rank raises it; the first to end the job may cut the other's line short
+    assert ("of 2 ended with an uncaught ValueError: load_checkpoint was called on rank(s) "
+            "[0] only, of 2: call it on every rank") in proc.stderr
+
+
 def test_an_outer_optimizer_through_both_stages_and_a_resume_keeps_its_momentum(tmp_path):
     """ashl with Delayed Nesterov on the server, dense AHL then top-k SHL with error feedback;
     the checkpoint carries the momentum and the resumed run continues from it."""

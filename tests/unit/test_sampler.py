@@ -113,6 +113,9 @@ def test_planned_shares_give_fast_ranks_more():
 def test_accepts_numpy_and_tensors():
     assert shares_to_counts(np.array([3, 7]), 10, 2) == (3, 7)
     assert shares_to_counts(np.array([0.25, 0.75]), 8, 2) == (2, 6)
+    # numpy scalars in a list, as a script computes them
+    assert shares_to_counts([np.float32(0.25), np.float64(0.75)], 8, 2) == (2, 6)
+    assert shares_to_counts([np.int64(3), np.int32(7)], 10, 2) == (3, 7)
     assert shares_to_counts(torch.tensor([0.5, 0.5]), 9, 2) == (5, 4)
 
 

@@ -130,6 +130,28 @@ def test_stepping_on_while_profiling_keeps_to_the_pass_unless_the_script_opts_ou
     assert FakeWorld(1).run(rank_fn)[0] == (True, 1, True, 1, False)
 
 
+def test_a_sampler_built_for_another_rank_or_job_size_is_refused():
+    """rank=hvd.local_rank() on one-slot hosts, or num_replicas=1 in a bigger job: every
+    rank would read a slice that is not its own, silently."""
+    def rank_fn(comm, hvd):
+        model = torch.nn.Linear(2, 1)
+        params = list(model.parameters())
+        errors = []
+        for replicas, rank in ((2, 0), (2, 1), (1, 0)):
+            sampler = ashl.HeterogeneousSampler(list(range(8)), num_replicas=replicas, rank=rank)
+            try:
+                _SteppingOn(model, params, comm=comm, sampler=sampler)
+            except ValueError as e:
+                errors.append(str(e))
+        return errors
+
+    errors = FakeWorld(2).run(rank_fn)
+    assert len(errors[0]) == 2 and "built as rank 1 of 2 replicas" in errors[0][0]
+    assert "rank 0 of 2" in errors[0][0] and "hvd.rank()" in errors[0][0]
+    assert "built as rank 0 of 1 replicas" in errors[0][1]
+    assert len(errors[1]) == 2 and "built as rank 0 of 2" in errors[1][0]
+
+
 @pytest.mark.parametrize("strategy", ["localsgd", "ashl-sync", "bsp", "adsp"])
 def test_profile_within_epoch_is_refused_where_no_rank_steps_on_while_profiling(strategy):
     with pytest.raises(ValueError, match=r"profile_within_epoch applies to .*\(ashl, "

@@ -30,8 +30,9 @@ class AshlStrategy(ServerStrategy):
         profile = self.measured_profile(self.mc, protocol.HEADER_SIZE + 4 * self.numel)
         if self.is_server:
             self._start_server(self.flat_model(self.anchors))
-        plan = self.mc.establish_plan(profile)
+        plan = self.mc.establish_plan(profile, self.current_epoch())
         if self.server is not None:
             self.server.start()
         self.stage = Stage.AHL
+        self.shares_epoch = self.mc.shares_epoch
         self.adopt_plan(plan)

@@ -50,7 +50,7 @@ class AsyncLocalSgdStrategy(ServerStrategy):
         profile = self.measured_profile(self.mc, protocol.HEADER_SIZE + 4 * self.numel)
         if self.is_server:
             self._start_server(self.flat_model(self.anchors))
-        profiles = self.mc.gather_profiles(profile)
+        profiles = self.mc.gather_profiles(profile, self.current_epoch())
         plan = None
         if self.is_server:
             plan = dylu_plan(profiles, self.H, overlap=self.overlap, reason=(
@@ -62,6 +62,7 @@ class AsyncLocalSgdStrategy(ServerStrategy):
         if self.server is not None:
             self.server.start()
         self.stage = Stage.AHL
+        self.shares_epoch = self.mc.shares_epoch
         self.adopt_plan(plan)
 
     def plan_for_survivors(self, profiles):

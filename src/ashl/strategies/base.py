@@ -42,6 +42,17 @@ from .model_state import model_state
 log = logging.getLogger("ashl")
 
 
+def check_sampler(sampler, rank: int, size: int) -> None:
+    """A sampler built for another rank or job size reads another rank's slice, silently."""
+    replicas, own = getattr(sampler, "num_replicas", None), getattr(sampler, "rank", None)
+    if replicas is None or own is None or (replicas, own) == (size, rank):
+        return
+    raise ValueError(f"the sampler was built as rank {own} of {replicas} replicas, but this "
+                     f"process is rank {rank} of {size}: build it with num_replicas=hvd.size() "
+                     f"and rank=hvd.rank() (hvd.local_rank() is the rank within one host), "
+                     f"or leave both out")
+
+
 class ProfileBarrier:
     """Has every rank taken its profiling steps? A non-blocking barrier, entered once by a
     rank whose own profiling steps are done and tested after each step it takes on, so that
@@ -220,6 +231,8 @@ class Strategy:
         self.staging = WireStaging(self.device)   # a CUDA model's trips to the wire
         self.sampler = sampler
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        if getattr(self, "join", None) is None:   # a replacement's sampler is rebound later
+            check_sampler(sampler, self.rank, self.size)
         if not 0 <= control_rank < self.size:
             raise ValueError(f"the control rank (server_rank) {control_rank} is not a rank "
                              f"of this {self.size}-rank job")

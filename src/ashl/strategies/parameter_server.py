@@ -203,6 +203,10 @@ class ServerStrategy(Strategy):
         self.overlap_counts = {"overlapped_steps": 0, "overlapped_commits": 0,
                                "reply_waits": 0, "reply_wait_s": 0.0}
         self._resume: Optional[dict] = None
+        # The epoch from which the current plan's and stage's data shares apply, the same on
+        # every rank (the coordinator's); None: this rank's next epoch boundary
+        self.shares_epoch: Optional[int] = None
+        self.late_shares = 0      # shares that came after this rank had begun their epoch
         self._evaluated_model: Optional[torch.Tensor] = None   # the model that met the target
 
     # ------------------------------------------------------------------------ reading
@@ -278,8 +282,22 @@ class ServerStrategy(Strategy):
         # The model as broadcast before training: the anchor of the first delta and, on
         # the server rank, the first global model.
         self.anchors = kernels.clone_tensors(self.tensors)
+        if self.join is None:
+            self._check_every_rank_resumes()
         if self._resume is not None:
             self._start_from_checkpoint()
+
+    def _check_every_rank_resumes(self) -> None:
+        """Collective: a checkpoint loaded on some ranks only (Horovod's recipe loads on rank
+        0 and broadcasts) would leave them in the resume's barrier and the others profiling,
+        waiting for each other for ever: refuse it on every rank instead."""
+        resuming = self.comm.allgather(self._resume is not None)
+        if any(resuming) and not all(resuming):
+            loaded = [r for r, x in enumerate(resuming) if x]
+            raise ValueError(f"load_checkpoint was called on rank(s) {loaded} only, of "
+                             f"{self.size}: call it on every rank (each rank's file holds its "
+                             "own optimizer state), not on rank 0 alone as with Horovod's "
+                             "load-then-broadcast recipe")
 
     def _plan(self) -> None:
         if self.join is not None:
@@ -445,6 +463,7 @@ class ServerStrategy(Strategy):
         stage change or a stop is taken on."""
         if reply.model is not None:
             kernels.unpack_assign(self.tensors, self.anchors, self.staging.to_device(reply.model))
+        self.shares_epoch = reply.shares_epoch
         if reply.plan is not None:
             self.adopt_plan(reply.plan)
         self.accepted += reply.accepted
@@ -573,6 +592,13 @@ class ServerStrategy(Strategy):
         run = checkpoint.load(path)
         checkpoint.check_run(run, path, self.name, self.size, self.numel)
         self._check_outer_state(path, run.get("outer"))
+        try:     # here, not at the first step: a plan this version cannot read is refused
+            run["plan"] = Plan.from_dict(run["plan"])
+            Stage(run["stage"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"checkpoint {path}: its plan or stage cannot be read by this "
+                             f"version of ashl ({e}); resume it with the version that saved "
+                             "it") from None
         own = checkpoint.load_rank(path, self.rank, optimizer)
         kernels.unpack_assign(self.tensors, [t.clone() for t in self.tensors],
                               self.staging.to_device(run["global_model"]))
@@ -602,7 +628,7 @@ class ServerStrategy(Strategy):
 
     def _start_from_checkpoint(self) -> None:
         run, self._resume = self._resume, None
-        plan = Plan.from_dict(run["plan"])
+        plan = run["plan"]
         if any(h == 0 for h in plan.ahl.local_steps + plan.shl.local_steps):
             # saved while a lost rank's slot was vacant: every rank is back, plan them all
             # (the same on every rank: the strategy's planner is pure)
@@ -626,8 +652,25 @@ class ServerStrategy(Strategy):
         self.stage = stage
         self.adopt_plan(plan)
 
+    def _give_shares(self) -> None:
+        """The plan's shares for the stage, from the coordinator's shares epoch: the ranks
+        hear of a change at different moments, in different epochs, and each epoch must
+        still be one permutation of the data across them."""
+        if self.plan is None or not hasattr(self.sampler, "set_shares"):
+            return
+        # a script that never calls set_epoch reads every pass as epoch 0: its next pass
+        epoch = self.shares_epoch if getattr(self.sampler, "epochs_told", True) else None
+        begun = getattr(self.sampler, "has_begun", None)
+        if epoch is not None and begun is not None and begun(epoch):
+            self.late_shares += 1
+            log.warning("rank %d: new data shares apply from epoch %d, which this rank has "
+                        "already begun: that epoch reads some samples twice and some never",
+                        self.rank, epoch)
+        self.sampler.set_shares(list(self.plan.stage(self.stage.planned).shares), epoch=epoch)
+
     def counters(self) -> dict:
         c = super().counters()
+        c["late_shares"] = self.late_shares
         c["version"] = self.version
         c["accepted"] = self.accepted
         c["transport"] = self.transport

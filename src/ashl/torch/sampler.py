@@ -71,7 +71,9 @@ def shares_to_counts(shares: Sequence, n: int, num_replicas: int, drop_last: boo
             raise ValueError(f"integer shares are sample counts and must sum to the dataset size {n}, "
                              f"got {sum(counts)} (pass fractions like 0.25 for proportions)")
         return counts
-    exact = [Fraction(s) for s in shares]  # Fraction(float) is exact: no rounding drift
+    # Fraction(float) is exact: no rounding drift; numpy's floats go through float
+    exact = [Fraction(s) if isinstance(s, (numbers.Rational, float)) else Fraction(float(s))
+             for s in shares]
     total = sum(exact)
     if total == 0 or abs(total - 1) > Fraction(1, 10**6):
         raise ValueError(f"fractional shares must sum to 1, got {float(total):.9g}")
@@ -130,6 +132,7 @@ class HeterogeneousSampler(Sampler[int]):
         self.shuffle, self.seed, self.drop_last = bool(shuffle), int(seed), bool(drop_last)
         self.n = n
         self.epoch = 0
+        self.epochs_told = False  # has set_epoch been called? (else every pass is epoch 0)
         # (first epoch, counts) in increasing epoch order; counts for epoch e come from the
         # last entry whose first epoch is <= e.
         self._schedule: list[tuple[int, tuple[int, ...]]] = []
@@ -159,6 +162,7 @@ class HeterogeneousSampler(Sampler[int]):
     def set_epoch(self, epoch: int) -> None:
         if isinstance(epoch, bool) or not isinstance(epoch, numbers.Integral) or epoch < 0:
             raise ValueError(f"epoch must be an integer >= 0, got {epoch!r}")
+        self.epochs_told = True
         if epoch != self.epoch:
             self._started = False
             if self._pending is not None:
@@ -189,6 +193,11 @@ class HeterogeneousSampler(Sampler[int]):
     def _apply(self, counts: tuple[int, ...], epoch: int) -> None:
         self._schedule = [(e, c) for e, c in self._schedule if e < epoch] + [(epoch, counts)]
         self._pending = None
+
+    def has_begun(self, epoch: int) -> bool:
+        """Has this rank begun reading `epoch`, or a later one? (Shares set from `epoch` on
+        then come too late for the pass that began.)"""
+        return self.epoch > epoch or (self.epoch == epoch and self._started)
 
     def counts(self, epoch: int | None = None) -> tuple[int, ...]:
         """Samples per rank in `epoch` (default: the current one)."""
