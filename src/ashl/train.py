@@ -578,6 +578,10 @@ class Run:
             raise RuntimeError(f"--resume: some ranks could not load {path}: "
                                f"{next(e for e in errors if e)}")
         self.refuse(errors)
+        # The optimizer state came back with the saved lr; this loop keeps its lr constant,
+        # so the command line's --lr is the one to go on with (and the one summary.json says)
+        for group in self.opt.param_groups:
+            group["lr"] = self.args.lr
         self.first_epoch = self.opt.strategy.epoch + 1
 
     def read_checkpoint(self, path: str) -> None:
@@ -691,6 +695,7 @@ class Run:
                 "counters": _jsonable(self.opt.counters()),
                 "checkpoints_saved": 0 if self.checkpoints is None else self.checkpoints.saves,
                 "compute_factor": self.hetero.compute_factor,
+                "lr": self.opt.param_groups[0]["lr"],     # what it trained with to the end
                 "link": None if link is None else [link.latency_s, link.bytes_per_s]}
 
     def report(self, everyone: list[dict], wall: float, final_accuracy: float) -> None:

@@ -349,10 +349,13 @@ def test_a_checkpointed_run_resumes_where_it_stopped(tmp_path, strategy, slowdow
         ["ckpt.pt"] + [f"ckpt.pt.rank{r}" for r in range(ranks)]     # no temporary left
     assert "checkpoint in" in proc.stdout
 
-    proc = mpirun_train(ranks, *job, "--resume", "--target-accuracy", "0.9",
+    proc = mpirun_train(ranks, *job, "--resume", "--target-accuracy", "0.9", "--lr", "0.04",
                         "--max-seconds", "60", "--out", tmp_path / "resumed")
     assert proc.returncode == 0, output(proc)
     resumed = summary(tmp_path / "resumed")
+    # the checkpoint's optimizer state came with the saved lr (0.05); --lr is the one used
+    assert [r["lr"] for r in first["per_rank"]] == [0.05] * ranks
+    assert resumed["lr"] == 0.04 and [r["lr"] for r in resumed["per_rank"]] == [0.04] * ranks
     assert resumed["resumed"] is True and resumed["checkpoint"] == first["checkpoint"]
     assert resumed["final_accuracy"] >= 0.9 and "target accuracy" in resumed["stop_reason"]
     for before, after in zip(first["per_rank"], resumed["per_rank"]):
