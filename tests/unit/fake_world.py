@@ -30,6 +30,8 @@ class _Request:
             pass
         return self.value
 
+    wait = Wait
+
 
 class _Group:
     """What the ranks of one communicator share: mailboxes and a collective rendezvous."""
@@ -84,6 +86,10 @@ class FakeComm:
     # point to point (pickled objects and raw buffers)
     def send(self, obj, dest, tag=0):
         self.group.boxes[(self.rank, dest, tag)].put(pickle.dumps(obj))
+
+    def isend(self, obj, dest, tag=0):
+        self.send(obj, dest, tag)
+        return _Request(lambda: (True, None))
 
     def recv(self, source, tag=0):
         return pickle.loads(self.group.boxes[(source, self.rank, tag)].get(timeout=30))

@@ -104,6 +104,39 @@ def test_the_first_rank_through_its_profiling_steps_keeps_stepping_until_the_las
     assert steps >= 5 and passed is True
 
 
+def test_the_profiling_lasts_about_as_long_as_the_fastest_ranks_steps():
+    """A rank still profiling stops at its third step once another has taken all ten: an x8
+    rank no longer profiles eight times as long while the others train on alone."""
+    def rank_fn(comm, hvd):
+        barrier = ProfileBarrier(comm.Dup())
+        factor = (1, 2, 8)[comm.Get_rank()]
+        steps = 0
+        while not (barrier.enough(steps, 10) and barrier.arrived()):
+            time.sleep(0.01 * factor)
+            steps += 1
+        time.sleep(0.05)
+        # every rank's word that it was done is taken: nothing is left in a mailbox
+        return steps, barrier.heard, all(q.empty() for q in barrier.comm.group.boxes.values())
+
+    (fast, _, e0), (middle, _, e1), (slow, heard, e2) = FakeWorld(3).run(rank_fn)
+    assert fast >= 10 and heard
+    assert 3 <= slow < 10 and slow <= middle <= fast
+    assert e0 and e1 and e2
+
+
+def test_a_rank_alone_or_all_in_lockstep_profile_their_whole_count():
+    def rank_fn(comm, hvd):
+        barrier = ProfileBarrier(comm.Dup())
+        steps = 0
+        while not (barrier.enough(steps, 6) and barrier.arrived()):
+            time.sleep(0.005)
+            steps += 1
+        return steps
+
+    assert FakeWorld(1).run(rank_fn) == [6]
+    assert min(FakeWorld(2).run(rank_fn)) >= 3
+
+
 class _SteppingOn(Strategy):
     """A profiled strategy whose ranks step on while the others profile (as ashl's)."""
     profiled = True

@@ -56,7 +56,15 @@ def check_sampler(sampler, rank: int, size: int) -> None:
 class ProfileBarrier:
     """Has every rank taken its profiling steps? A non-blocking barrier, entered once by a
     rank whose own profiling steps are done and tested after each step it takes on, so that
-    the faster ranks keep training (and timing their steps) while the slowest profiles."""
+    the faster ranks keep training (and timing their steps) while the slowest profiles.
+
+    The profile lasts about as long as the fastest rank's steps, not the slowest's: a rank
+    entering tells every other rank so, and a rank still profiling stops at `min_steps` (one
+    warm-up and two timed) once it hears. Ten steps of an x4 rank took 4 times as long as the
+    others' ten, and they trained on alone all that while: about 40 steps each on models that
+    the first merge then averaged (docs/BENCHMARKS.md)."""
+
+    DONE_TAG = 7301          # point to point on the barrier's own communicator
 
     POLL_S = 1e-3
     # Entering, a rank tests this long: the last one in would otherwise find the barrier not
@@ -64,12 +72,29 @@ class ProfileBarrier:
     # the others waiting (2 of 3 runs of the x4 rank took 11 profiling steps instead of 10).
     GRACE_S = 0.02
 
-    def __init__(self, comm):
+    def __init__(self, comm, min_steps: int = 3):
         self.comm, self.request, self.passed = comm, None, False
+        self.min_steps = min_steps
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.others = [r for r in range(self.size) if r != self.rank]
+        self.heard = False       # has another rank finished its profiling steps?
+        self.sent = []
+
+    def enough(self, steps: int, wanted: int) -> bool:
+        """Has this rank profiled enough with `steps` of its `wanted`? All of them, or
+        `min_steps` once another rank has finished its own."""
+        if steps >= wanted:
+            return True
+        if steps < self.min_steps:
+            return False
+        if not self.heard:
+            self.heard = any(self.comm.Iprobe(source=r, tag=self.DONE_TAG) for r in self.others)
+        return self.heard
 
     def arrived(self) -> bool:
         """Enter (the first time); True once every rank has entered."""
         if self.request is None:
+            self.sent = [self.comm.isend(None, dest=r, tag=self.DONE_TAG) for r in self.others]
             self.request = self.comm.Ibarrier()
             deadline = time.monotonic() + self.GRACE_S
             while not self._test() and time.monotonic() < deadline:
@@ -79,6 +104,11 @@ class ProfileBarrier:
     def _test(self) -> bool:
         if not self.passed:
             self.passed = bool(self.request.test()[0])
+            if self.passed:     # every rank has entered, so every one has sent its word
+                for r in self.others:
+                    self.comm.recv(source=r, tag=self.DONE_TAG)
+                for request in self.sent:
+                    request.wait()
         return self.passed
 
     def wait(self) -> None:
@@ -305,7 +335,8 @@ class Strategy:
 
     def _round_done(self) -> bool:
         if self.stage is Stage.PROFILE and self.steps_while_others_profile:
-            return self.round_steps >= self.profile_steps and self.profile_barrier.arrived()
+            return (self.profile_barrier.enough(self.round_steps, self.profile_steps)
+                    and self.profile_barrier.arrived())
         return self.round_steps >= self.local_steps_target()
 
     def _make_plan(self) -> None:
@@ -429,7 +460,7 @@ class Strategy:
         """The sampler's pass is over while this rank steps on waiting for the others'
         profiling: the profiling round ends here, before the script's code between epochs."""
         if (self.stage is Stage.PROFILE and not self.planned and not self.finished
-                and self.round_steps >= self.profile_steps):
+                and self.profile_barrier.enough(self.round_steps, self.profile_steps)):
             self._end_round()
 
     def _plan(self) -> None:
