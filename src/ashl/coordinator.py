@@ -195,8 +195,10 @@ class Coordinator:
         self._epochs[rank] = epoch if last is None else max(epoch, last)
 
     def _restamp_shares(self) -> None:
-        """New shares: from past the furthest epoch a rank may have begun since it reported."""
-        self.shares_epoch = max(self._epochs.values(), default=0) + self._epoch_lead + 1
+        """New shares: from past the furthest epoch a rank may have begun before it hears.
+        It hears with the reply to its next commit, which (overlapped) lands during the
+        round after: two rounds past its last report, each at most `_epoch_lead` epochs."""
+        self.shares_epoch = max(self._epochs.values(), default=0) + 2 * self._epoch_lead + 1
 
     def _sync_stage(self) -> None:
         """Log new transitions and point the global-loss weights at the current stage."""

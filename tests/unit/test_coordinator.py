@@ -181,8 +181,9 @@ def test_evaluation_accuracy_stops_run():
 def test_new_shares_apply_from_an_epoch_no_rank_has_begun():
     """The ranks hear of a re-plan or a stage switch at different moments, in different
     epochs: the directive names one epoch, past the furthest any rank may have begun (its
-    last report plus the most epochs a rank began between two reports), so every epoch is
-    read with one set of shares by every rank."""
+    last report plus twice the most epochs a rank began between two reports: it hears with
+    the reply to its next commit), so every epoch is read with one set of shares by every
+    rank."""
     c, clock = coordinator(stage=StageConfig(switch_loss=0.3, ahl_max_commits=100))
     c.note_epochs([0, 1, 0])                 # the first plan's collective: nobody moving
     assert c.shares_epoch == 2
@@ -192,13 +193,13 @@ def test_new_shares_apply_from_an_epoch_no_rank_has_begun():
     for _ in range(3):                            # rank 2 becomes 4x faster: a re-plan
         d = commit(c, clock, 2, step_s=0.01, epoch=1, version=1)
     assert c.plan.version == 2 and d.plan is not None
-    assert d.shares_epoch == c.shares_epoch == 4 + 2 + 1
+    assert d.shares_epoch == c.shares_epoch == 4 + 2 * 2 + 1
     # a stage switch restamps too; the answers carry the newest epoch until the next change
-    assert commit(c, clock, 1, loss=1.0, epoch=6).shares_epoch == 7      # no change: as is
+    assert commit(c, clock, 1, loss=1.0, epoch=6).shares_epoch == 9      # no change: as is
     commit(c, clock, 2, loss=0.1, epoch=1)
     d = commit(c, clock, 0, loss=0.1, epoch=3)
-    assert d.stage is Stage.SHL and d.shares_epoch == 6 + 2 + 1
-    assert commit(c, clock, 2, loss=0.1, epoch=2).shares_epoch == 9
+    assert d.stage is Stage.SHL and d.shares_epoch == 6 + 2 * 2 + 1
+    assert commit(c, clock, 2, loss=0.1, epoch=2).shares_epoch == 11
 
 
 def test_a_late_epoch_report_never_moves_a_rank_back():
