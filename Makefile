@@ -89,7 +89,7 @@ bench-e2e: build
 	$(PY) -m ashl.bench e2e --homogeneous --strategies ashl,bsp --seeds 0,1,2 \
 	    --json $(OUT)/e2e-homogeneous/e2e.json
 
-# The same scenario at 4, 8 and 16 ranks (the scenario's 0.17 s steps, 40 s per run): throughput against
+# The same scenario at 4, 8 and 16 ranks (the scenario's 0.2 s steps, 40 s per run): throughput against
 # the ideal, commit latency and the server thread's load against the rank count.
 bench-scale: build
 	@mkdir -p $(OUT)/scale

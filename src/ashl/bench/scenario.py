@@ -28,7 +28,7 @@ LINK_LATENCY_S = 5e-4      # a datacentre Ethernet hop, as DEFAULT_LINK
 MODEL, DATASET = "mnistnet", "mnist"
 # A factor-1 rank's step (8-10 ms of it is this machine's real work): long enough that
 # every strategy takes 30-120 s to the target, so start-up cannot decide a ranking.
-STEP_TIME_S = 0.17
+STEP_TIME_S = 0.20
 TARGET_ACCURACY = 0.97
 MAX_SECONDS = 240.0
 EVAL_EVERY_S = 1.0
