@@ -13,6 +13,7 @@ from ashl.stages import StageConfig
 parser = argparse.ArgumentParser()
 parser.add_argument("--save", default=None)
 parser.add_argument("--resume", default=None)
+parser.add_argument("--strategy", default="ashl")
 args = parser.parse_args()
 
 hvd.init()
@@ -20,6 +21,7 @@ torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.05 * hvd.size())
 optimizer = ashl.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                      strategy=args.strategy,
                                       stage_config=StageConfig(max_commits=12))
 if args.resume and hvd.rank() == 0:
     optimizer.load_checkpoint(args.resume)

@@ -94,13 +94,16 @@ def test_every_epoch_is_one_permutation_of_the_data_while_the_plan_changes(tmp_p
     assert len(last[1]) < len(last[0])
 
 
-def test_a_checkpoint_loaded_on_rank_0_alone_is_refused_on_every_rank_not_a_hang(tmp_path):
+@pytest.mark.parametrize("strategy", ["ashl", "localsgd", "diloco"])
+def test_a_checkpoint_loaded_on_rank_0_alone_is_refused_on_every_rank(tmp_path, strategy):
     """Horovod's recipe (rank 0 loads, then broadcasts) applied to ashl's checkpoint left
-    rank 0 in the resume's barrier and the others profiling, for ever."""
+    rank 0 in the resume's barrier and the others profiling, for ever (ashl), or the other
+    ranks with their own counters and no outer momentum (localsgd, diloco)."""
     script = Path(__file__).with_name("rank0_resume.py")
     ckpt = tmp_path / "run.ckpt"
-    mpirun(2, script, "--save", ckpt, timeout=120)
-    proc = mpirun(2, script, "--resume", ckpt, timeout=120, check=False)
+    mpirun(2, script, "--save", ckpt, "--strategy", strategy, timeout=120)
+    proc = mpirun(2, script, "--resume", ckpt, "--strategy", strategy, timeout=120,
+                  check=False)
     assert proc.returncode != 0, proc.stderr
     # every rank raises it; the first to end the job may cut the other's line short
     assert ("of 2 ended with an uncaught ValueError: load_checkpoint was called on rank(s) "

@@ -123,6 +123,7 @@ class ModelAveragingStrategy(Strategy):
 
     # ----------------------------------------------------------------------- the round
     def _start(self) -> None:
+        self.check_every_rank_resumes()
         self.anchors = kernels.clone_tensors(self.tensors)
 
     def _round_done(self) -> bool:

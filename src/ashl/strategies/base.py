@@ -298,6 +298,7 @@ class Strategy:
         self.optimizer = None            # the wrapped optimizer, set by DistributedOptimizer
         self.epoch = 0
         self.started = False
+        self.resuming = False      # load_checkpoint ran on this rank (checked on all at start)
         self._closed = False
         from ..profiler import RankProfiler
         self.profiler = RankProfiler(name=self.host)
@@ -567,6 +568,18 @@ class Strategy:
                 write_chrome_trace(path, traces)
 
     # ------------------------------------------------------------------- checkpoints
+    def check_every_rank_resumes(self) -> None:
+        """Collective, at the start: a checkpoint loaded on some ranks only (Horovod's recipe
+        loads on rank 0 and broadcasts) would leave the others with their own counters and
+        state, or waiting in a resume's barrier for ever: refuse it on every rank instead."""
+        resuming = self.comm.allgather(self.resuming)
+        if any(resuming) and not all(resuming):
+            loaded = [r for r, x in enumerate(resuming) if x]
+            raise ValueError(f"load_checkpoint was called on rank(s) {loaded} only, of "
+                             f"{self.size}: call it on every rank (each rank's file holds its "
+                             "own optimizer state), not on rank 0 alone as with Horovod's "
+                             "load-then-broadcast recipe")
+
     def save_checkpoint(self, path: str, optimizer) -> None:
         raise NotImplementedError(f"strategy {self.name!r} does not checkpoint; use a strategy "
                                   "that does (ashl, localsgd, diloco, async-localsgd, ...), or "

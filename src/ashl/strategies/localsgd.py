@@ -92,6 +92,7 @@ class LocalSgdStrategy(ModelAveragingStrategy):
         self.local_steps = int(counters.get("local_steps", 0))
         self.commits = int(counters.get("commits", 0))
         self.epoch = int(own.get("epoch", 0))
+        self.resuming = True
 
     def counters(self) -> dict:
         c = super().counters()

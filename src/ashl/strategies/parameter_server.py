@@ -283,21 +283,9 @@ class ServerStrategy(Strategy):
         # the server rank, the first global model.
         self.anchors = kernels.clone_tensors(self.tensors)
         if self.join is None:
-            self._check_every_rank_resumes()
+            self.check_every_rank_resumes()
         if self._resume is not None:
             self._start_from_checkpoint()
-
-    def _check_every_rank_resumes(self) -> None:
-        """Collective: a checkpoint loaded on some ranks only (Horovod's recipe loads on rank
-        0 and broadcasts) would leave them in the resume's barrier and the others profiling,
-        waiting for each other for ever: refuse it on every rank instead."""
-        resuming = self.comm.allgather(self._resume is not None)
-        if any(resuming) and not all(resuming):
-            loaded = [r for r, x in enumerate(resuming) if x]
-            raise ValueError(f"load_checkpoint was called on rank(s) {loaded} only, of "
-                             f"{self.size}: call it on every rank (each rank's file holds its "
-                             "own optimizer state), not on rank 0 alone as with Horovod's "
-                             "load-then-broadcast recipe")
 
     def _plan(self) -> None:
         if self.join is not None:
@@ -608,7 +596,7 @@ class ServerStrategy(Strategy):
         self.local_steps = int(counters.get("local_steps", 0))
         self.commits = int(counters.get("commits", 0))
         self.epoch = int(own.get("epoch", 0))
-        self._resume = run
+        self._resume, self.resuming = run, True
 
     def _check_outer_state(self, path: str, state: Optional[dict]) -> None:
         """Every rank, before any starts: the checkpoint's outer optimizer must be this run's
