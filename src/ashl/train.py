@@ -27,7 +27,7 @@ line on stderr and writes to ``--out``:
 
 With ``--checkpoint-dir DIR`` the run is saved (the strategy's save_checkpoint, atomically) to
 DIR/ckpt.pt and DIR/ckpt.pt.rank<r> every ``--checkpoint-every`` seconds and at the end;
-``--resume`` continues it.
+``--resume`` continues it: each rank in the epoch it saved, past the batches it had taken.
 
 ``--device`` (default auto) puts each rank's model and batches on ``cuda:<local rank>`` when
 its host has a GPU (ranks beyond the host's GPUs share them round-robin), else on the CPU
@@ -41,6 +41,7 @@ Options are checked before MPI starts where possible; a bad one ends the run wit
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -463,6 +464,7 @@ class Run:
         self.opt = None
         self.checkpoints: Optional[Checkpoints] = None
         self.first_epoch = 0
+        self.skip_batches = 0      # of the first epoch: taken before the checkpoint resumed
         self.metrics: Optional[MetricsLog] = None
         self.progress: Optional[Progress] = None
         self.start = time.perf_counter()
@@ -572,7 +574,7 @@ class Run:
         path = self.checkpoints.path
         # Read first: a file missing on one rank's host stops every rank before any loads.
         self.refuse(self.comm.allgather(_failure(lambda: self.read_checkpoint(path))))
-        errors = self.comm.allgather(_failure(lambda: self.opt.load_checkpoint(path)))
+        errors = self.comm.allgather(_failure(lambda: self.load_checkpoint(path)))
         if any(errors) and not all(errors):
             # Ranks that loaded cannot leave the run with those that did not: the job aborts.
             raise RuntimeError(f"--resume: some ranks could not load {path}: "
@@ -582,7 +584,11 @@ class Run:
         # so the command line's --lr is the one to go on with (and the one summary.json says)
         for group in self.opt.param_groups:
             group["lr"] = self.args.lr
-        self.first_epoch = self.opt.strategy.epoch + 1
+
+    def load_checkpoint(self, path: str) -> None:
+        """Continue in the saved epoch, past the batches this rank had taken in it."""
+        position = self.opt.load_checkpoint(path)
+        self.first_epoch, self.skip_batches = position["epoch"], position["steps_in_epoch"]
 
     def read_checkpoint(self, path: str) -> None:
         """The files this rank will load, and the run's fit (strategy, ranks, model size)."""
@@ -645,8 +651,13 @@ class Run:
         while not opt.finished:
             self.sampler.set_epoch(epoch)
             opt.set_epoch(epoch)
-            for x, y in DataLoader(self.data.train, batch_size=self.args.batch_size,
-                                   sampler=self.sampler):
+            loader = DataLoader(self.data.train, batch_size=self.args.batch_size,
+                                sampler=self.sampler)
+            skip, self.skip_batches = self.skip_batches, 0
+            if skip >= len(loader):    # the checkpoint was saved at this epoch's end
+                epoch += 1
+                continue
+            for x, y in itertools.islice(loader, skip, None):
                 x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
                 opt.zero_grad()
                 loss = F.cross_entropy(self.model(x), y)
@@ -696,6 +707,7 @@ class Run:
                 "checkpoints_saved": 0 if self.checkpoints is None else self.checkpoints.saves,
                 "compute_factor": self.hetero.compute_factor,
                 "lr": self.opt.param_groups[0]["lr"],     # what it trained with to the end
+                "resumed_at": self.opt.strategy.resumed_at,   # the checkpoint's data position
                 "link": None if link is None else [link.latency_s, link.bytes_per_s]}
 
     def report(self, everyone: list[dict], wall: float, final_accuracy: float) -> None:

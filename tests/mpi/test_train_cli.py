@@ -348,6 +348,9 @@ def test_a_checkpointed_run_resumes_where_it_stopped(tmp_path, strategy, slowdow
     assert sorted(p.name for p in ckpt.iterdir()) == \
         ["ckpt.pt"] + [f"ckpt.pt.rank{r}" for r in range(ranks)]     # no temporary left
     assert "checkpoint in" in proc.stdout
+    saved_at = [{k: v for k, v in torch.load(ckpt / f"ckpt.pt.rank{r}", weights_only=False).items()
+                 if k in ("epoch", "steps_in_epoch")} for r in range(ranks)]
+    assert any(p["steps_in_epoch"] > 0 for p in saved_at), saved_at
 
     proc = mpirun_train(ranks, *job, "--resume", "--target-accuracy", "0.9", "--lr", "0.04",
                         "--max-seconds", "60", "--out", tmp_path / "resumed")
@@ -362,6 +365,8 @@ def test_a_checkpointed_run_resumes_where_it_stopped(tmp_path, strategy, slowdow
         for counter in ("commits", "local_steps"):   # every rank goes on from its own counts
             assert after["counters"][counter] > before["counters"][counter], counter
     assert resumed["commits"] > first["commits"]
+    # each rank goes on in the epoch it saved, past the batches it had taken there
+    assert [r["resumed_at"] for r in resumed["per_rank"]] == saved_at
     metrics = (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()
     rows = [json.loads(line) for line in metrics]
     # It starts from the saved model, with the saved plan: no profiling again.

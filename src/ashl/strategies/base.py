@@ -29,7 +29,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .. import kernels
+from .. import checkpoint, kernels
 from ..coordinator import wait_polled
 from ..emulation import ComputeSlowdown, Heterogeneity
 from ..planner import Plan
@@ -299,6 +299,9 @@ class Strategy:
         self.epoch = 0
         self.started = False
         self.resuming = False      # load_checkpoint ran on this rank (checked on all at start)
+        self.epoch_steps = 0       # local steps taken in the epoch `_steps_epoch`
+        self._steps_epoch: Optional[int] = None
+        self.resumed_at: Optional[dict] = None   # the checkpoint's data position, once loaded
         self._closed = False
         from ..profiler import RankProfiler
         self.profiler = RankProfiler(name=self.host)
@@ -418,6 +421,19 @@ class Strategy:
         """The epoch reported with commits: the sampler's, else what set_epoch was told."""
         return int(getattr(self.sampler, "epoch", self.epoch))
 
+    def _count_epoch_step(self) -> None:
+        epoch = self.current_epoch()
+        if epoch != self._steps_epoch:
+            self._steps_epoch, self.epoch_steps = epoch, 0
+        self.epoch_steps += 1
+
+    def data_position(self) -> dict:
+        """Where this rank is in its data: the epoch and the local steps taken in it (what
+        a resumed loop skips to continue where the checkpoint left off)."""
+        epoch = self.current_epoch()
+        return {"epoch": epoch, "steps_in_epoch": self.epoch_steps
+                if epoch == self._steps_epoch else 0}
+
     # ------------------------------------------------------------------ the driving loop
     def before_step(self) -> None:
         if self.finished:
@@ -438,6 +454,7 @@ class Strategy:
         dt = self.clock.step_done(self.slowdown)
         self.local_steps += 1
         self.round_steps += 1
+        self._count_epoch_step()
         value = loss_value(loss)
         if value is not None and math.isfinite(value):
             self.loss.add(value)
@@ -579,6 +596,24 @@ class Strategy:
                              f"{self.size}: call it on every rank (each rank's file holds its "
                              "own optimizer state), not on rank 0 alone as with Horovod's "
                              "load-then-broadcast recipe")
+
+    def _save_own(self, path: str, optimizer, **extra) -> None:
+        """This rank's part of a checkpoint: its optimizer state, counters and position."""
+        position = self.data_position()
+        checkpoint.save_rank(path, self.rank, optimizer, self.counters(), position["epoch"],
+                             steps_in_epoch=position["steps_in_epoch"], **extra)
+
+    def _load_own(self, path: str, optimizer) -> dict:
+        """This rank's part: its optimizer state, counters and position back; the file."""
+        own = checkpoint.load_rank(path, self.rank, optimizer)
+        counters = own.get("counters", {})
+        self.local_steps = int(counters.get("local_steps", 0))
+        self.commits = int(counters.get("commits", 0))
+        self.epoch = self._steps_epoch = int(own.get("epoch", 0))
+        self.epoch_steps = int(own.get("steps_in_epoch", 0))
+        self.resumed_at = {"epoch": self.epoch, "steps_in_epoch": self.epoch_steps}
+        self.resuming = True
+        return own
 
     def save_checkpoint(self, path: str, optimizer) -> None:
         raise NotImplementedError(f"strategy {self.name!r} does not checkpoint; use a strategy "

@@ -75,7 +75,7 @@ class LocalSgdStrategy(ModelAveragingStrategy):
                                     "size": self.size, "numel": self.numel,
                                     "global_model": self.flat_model(self.anchors).cpu(),
                                     "outer": outer, "local_steps_per_round": self.H}, path)
-        checkpoint.save_rank(path, self.rank, optimizer, self.counters(), self.current_epoch())
+        self._save_own(path, optimizer)
 
     def load_checkpoint(self, path: str, optimizer) -> None:
         """Before the first step, on every rank: continue from ``path``. The budgets
@@ -85,14 +85,9 @@ class LocalSgdStrategy(ModelAveragingStrategy):
         run = checkpoint.load(path)
         checkpoint.check_run(run, path, self.name, self.size, self.numel)
         self.outer.load_state_dict(run["outer"])     # every rank: the same momentum
-        own = checkpoint.load_rank(path, self.rank, optimizer)
+        self._load_own(path, optimizer)
         kernels.unpack_assign(self.tensors, [t.clone() for t in self.tensors],
                               run["global_model"].to(self.flat.device))
-        counters = own.get("counters", {})
-        self.local_steps = int(counters.get("local_steps", 0))
-        self.commits = int(counters.get("commits", 0))
-        self.epoch = int(own.get("epoch", 0))
-        self.resuming = True
 
     def counters(self) -> dict:
         c = super().counters()

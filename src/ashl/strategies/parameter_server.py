@@ -569,9 +569,8 @@ class ServerStrategy(Strategy):
                        "stage": stage.value,
                        "commits": self.mc.coordinator.machine.commits}
             checkpoint.atomic_save(run, path)
-        checkpoint.save_rank(path, self.rank, optimizer, self.counters(), self.current_epoch(),
-                             residual=None if self.residual is None
-                             else self.residual.flat.to("cpu", copy=True))
+        self._save_own(path, optimizer, residual=None if self.residual is None
+                       else self.residual.flat.to("cpu", copy=True))
 
     def load_checkpoint(self, path: str, optimizer) -> None:
         """Before the first step: continue the run saved at ``path`` (every rank)."""
@@ -587,16 +586,12 @@ class ServerStrategy(Strategy):
             raise ValueError(f"checkpoint {path}: its plan or stage cannot be read by this "
                              f"version of ashl ({e}); resume it with the version that saved "
                              "it") from None
-        own = checkpoint.load_rank(path, self.rank, optimizer)
+        own = self._load_own(path, optimizer)
         kernels.unpack_assign(self.tensors, [t.clone() for t in self.tensors],
                               self.staging.to_device(run["global_model"]))
         if self.residual is not None and own.get("residual") is not None:
             self.residual.flat.copy_(own["residual"])
-        counters = own.get("counters", {})
-        self.local_steps = int(counters.get("local_steps", 0))
-        self.commits = int(counters.get("commits", 0))
-        self.epoch = int(own.get("epoch", 0))
-        self._resume, self.resuming = run, True
+        self._resume = run
 
     def _check_outer_state(self, path: str, state: Optional[dict]) -> None:
         """Every rank, before any starts: the checkpoint's outer optimizer must be this run's

@@ -96,10 +96,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         atomically. Not collective: call it wherever suits each rank (e.g. per epoch)."""
         self._ashl.save_checkpoint(path, self)
 
-    def load_checkpoint(self, path: str) -> None:
+    def load_checkpoint(self, path: str) -> dict:
         """Before the first step, on every rank: continue the run saved at ``path``
-        (global model, plan, stage, counters, this rank's optimizer state)."""
+        (global model, plan, stage, counters, this rank's optimizer state). Returns where
+        this rank was in its data, ``{"epoch": e, "steps_in_epoch": n}``: a loop that
+        continues epoch e past its first n batches picks up where the save left off."""
         self._ashl.load_checkpoint(path, self)
+        return dict(self._ashl.resumed_at)
 
     def finish(self) -> None:
         """Collective, once per rank at the end: leave the run and end with the final global
