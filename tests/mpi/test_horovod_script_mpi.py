@@ -110,6 +110,32 @@ def test_the_epoch_loop_on_an_uneven_cluster(strategy, tmp_path):
     assert accuracy(tmp_path / "r.txt") > 0.5
 
 
+# A training set the ranks and the batch do not divide: 97 samples over 3 ranks in batches
+# of 32 would be 33/32/32 samples, 2/1/1 batches (bsp's lockstep breaks; the others' first
+# round spanned epochs of different lengths and met the script's metrics allreduce); 2
+# samples leave a rank with none (it never stepped; the others waited for it). Horovod's
+# DistributedSampler pads both; so does ashl's sampler, and the first round ends within the
+# first epoch. With Horovod's recipe for uneven data, hvd.join() after each epoch's loop
+# (a joined rank adds zeros to the others' allreduces: ashl's rounds read them as ranks
+# that left, and stopped), the ranks meet at the join with nothing left to reduce.
+@pytest.mark.parametrize("strategy,samples,join", [
+    ("ashl", 97, False), ("localsgd", 97, True), ("bsp", 97, False), ("bsp", 97, True),
+    ("ashl", 2, False)])
+def test_a_dataset_the_ranks_do_not_divide(strategy, samples, join, tmp_path):
+    text = SCRIPT.read_text().replace(
+        "train_dataset, test_dataset = data.train, data.test",
+        f"train_dataset = torch.utils.data.Subset(data.train, range({samples}))\n"
+        "    test_dataset = data.test")
+    if join:
+        text = text.replace('f"\\tLoss: {loss.item():.6f}")\n',
+                            'f"\\tLoss: {loss.item():.6f}")\n    hvd.join()\n')
+        assert "hvd.join()" in text
+    assert "Subset" in text
+    proc = _util.mpirun(3, converted(tmp_path, text, strategy=strategy), "--epochs", "4",
+                        timeout=150, env={"ASHL_EMULATE_COMPUTE": "1,2,4", **GPU_LIKE})
+    assert len(_TEST_LINE.findall(proc.stdout)) == 4
+
+
 # The converted import line starts MPI through mpi4py (ashl.torch), so one rank's Horovod
 # shutdown does not finalise MPI on the others (Horovod would, on its background thread,
 # under whatever their main threads still do).

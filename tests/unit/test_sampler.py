@@ -10,7 +10,7 @@ from hypothesis import given, strategies as st
 from torch.utils.data import DataLoader, TensorDataset
 
 from ashl.torch import HeterogeneousSampler
-from ashl.torch.sampler import shares_to_counts
+from ashl.torch.sampler import padded_counts, shares_to_counts
 
 
 def samplers(n, shares=None, world=None, **kw):
@@ -51,13 +51,43 @@ def test_one_epoch_is_a_permutation(case, seed, epoch, shuffle):
     n, world, shares = case
     ss = samplers(n, shares, world, seed=seed, shuffle=shuffle)
     union = epoch_union(ss, epoch)
-    assert sorted(union) == list(range(n))              # each sample exactly once, disjoint
     counts = ss[0].counts()
-    assert sum(counts) == n and [len(s) for s in ss] == list(counts)
+    assert [len(s) for s in ss] == list(counts) and len(union) == sum(counts)
+    assert set(union) == set(range(n))                  # every sample read
+    if sum(counts) == n:
+        assert sorted(union) == list(range(n))          # each sample exactly once, disjoint
     if shares is not None and all(isinstance(x, int) for x in shares):
         assert list(counts) == shares
-    if not shuffle:
-        assert union == list(range(n))                  # contiguous slices in rank order
+    if not shuffle:                                     # contiguous slices in rank order
+        assert union == (list(range(n)) * (world + 1))[:sum(counts)]
+
+
+@given(shares_case(), st.integers(0, 1000))
+def test_padding_is_distributed_samplers(case, seed):
+    """Without drop_last: equal shares give equal counts (DistributedSampler's padding, the
+    first samples of the permutation read twice); every rank reads at least one sample."""
+    n, world, shares = case
+    ss = samplers(n, shares, world, seed=seed)
+    counts = ss[0].counts()
+    exact = shares_to_counts(shares or [Fraction(1, world)] * world, n, world)
+    if shares is not None and all(isinstance(x, int) for x in shares):
+        assert counts == exact                          # the user's own counts
+        return
+    assert counts == padded_counts(exact, n, equal=shares is None or len(set(shares)) == 1)
+    if n:
+        assert min(counts) >= 1 and sum(counts) - n < world
+    if shares is None:
+        assert len(set(counts)) == 1
+        torch_sampler = torch.utils.data.DistributedSampler(range(n), world, 0, shuffle=False)
+        assert counts[0] == len(torch_sampler)
+
+
+def test_uneven_datasets_are_padded_as_distributed_sampler_pads():
+    assert [s.counts() for s in samplers(97, world=3)][0] == (33, 33, 33)
+    assert samplers(2, world=3)[2].counts() == (1, 1, 1)
+    assert list(samplers(2, world=3, shuffle=False)[2]) == [0]
+    assert samplers(10, shares=[0.95, 0.05, 0.0])[0].counts() == (9, 1, 1)
+    assert samplers(97, world=3, drop_last=True)[0].counts() == (32, 32, 32)
 
 
 @given(shares_case())
@@ -104,10 +134,11 @@ def test_deterministic_from_seed_and_epoch():
 def test_planned_shares_give_fast_ranks_more():
     ss = samplers(1000, [0.6, 0.3, 0.1])
     assert [len(s) for s in ss] == [600, 300, 100]
+    assert shares_to_counts([1 / 3] * 3, 10, 3) == (4, 3, 3)   # ties go to the lower rank
     ss = samplers(10, [1 / 3, 1 / 3, 1 / 3])
-    assert [len(s) for s in ss] == [4, 3, 3]   # ties go to the lower rank
+    assert [len(s) for s in ss] == [4, 4, 4]   # equal shares padded, as DistributedSampler
     ss = samplers(10, None, world=3)
-    assert [len(s) for s in ss] == [4, 3, 3]
+    assert [len(s) for s in ss] == [4, 4, 4]
 
 
 def test_accepts_numpy_and_tensors():

@@ -60,6 +60,48 @@ def wrapped(strategy, comm, hvd, model, **config):
 
 
 @pytest.mark.parametrize("strategy", ["localsgd", "ashl-sync"])
+def test_the_first_round_ends_within_the_first_pass(strategy):
+    """Passes shorter than the first round (the profile, or H): every rank ends that round,
+    and makes the plan, at its pass's end at the latest, so none is still in the round's
+    collectives when another is in the script's code between epochs (its metrics'
+    allreduce: a deadlock under Horovod)."""
+    def rank_fn(comm, hvd):
+        rank = comm.Get_rank()
+        model, x, y = model_and_data(rank)
+        sampler = ashl.HeterogeneousSampler(range(8), 3, rank, shares=[0.5, 0.25, 0.25],
+                                            shuffle=False)
+        extra = {"profile_steps": 10} if strategy == "ashl-sync" else {"local_steps": 8}
+        opt = wrapped(strategy, comm, hvd, model, sampler=sampler, eval_every_s=0, **extra)
+        seen = []
+        for epoch in range(2):
+            sampler.set_epoch(epoch)
+            for i in sampler:
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(model(x[2 * i:2 * i + 2]), y[2 * i:2 * i + 2]).backward()
+                opt.step()
+            seen.append((opt.strategy.planned, opt.counters()["commits"]))
+            hvd.allreduce_(torch.zeros(1), name="metric")
+        opt.finish()
+        return seen
+
+    for seen in FakeWorld(3).run(rank_fn):
+        assert seen[0][0] is True and seen[0][1] >= 1, seen
+
+
+def test_a_strategy_that_sizes_shares_warns_without_a_heterogeneous_sampler():
+    def rank_fn(comm, hvd):
+        model = torch.nn.Linear(2, 1)
+        distributed = torch.utils.data.DistributedSampler(range(8), 1, 0)
+        with pytest.warns(UserWarning, match="sampler= is a DistributedSampler, not an ashl"):
+            wrapped("ashl-sync", comm, hvd, model, sampler=distributed).finish()
+        with pytest.warns(UserWarning, match="no sampler= was given"):
+            wrapped("ashl-sync", comm, hvd, model).finish()
+        return True
+
+    assert FakeWorld(1).run(rank_fn) == [True]
+
+
+@pytest.mark.parametrize("strategy", ["localsgd", "ashl-sync"])
 def test_every_rank_ends_with_the_same_model_after_the_same_rounds(strategy):
     def rank_fn(comm, hvd):
         model, x, y = model_and_data(comm.Get_rank())

@@ -136,7 +136,7 @@ class ModelAveragingStrategy(Strategy):
         """The epoch join (module docstring): this rank's pass is over; exchange what it has
         and meet the others' rounds until every rank's pass is over too."""
         if not self.started or not self.planned or self.finished:
-            return      # before the plan every rank's first pass is the same length
+            return      # (a pass ending before the plan has ended the first round first)
         self._between_passes = True
         t0 = time.time()
         while not self.finished:

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 import socket
+import sys
 import time
 from concurrent.futures import Future
 from typing import Callable, Optional
@@ -51,6 +53,14 @@ def check_sampler(sampler, rank: int, size: int) -> None:
                      f"process is rank {rank} of {size}: build it with num_replicas=hvd.size() "
                      f"and rank=hvd.rank() (hvd.local_rank() is the rank within one host), "
                      f"or leave both out")
+
+
+def _callers_level() -> int:
+    """The warnings stack level of the first frame outside ashl (the user's line)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("ashl."):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 class ProfileBarrier:
@@ -247,6 +257,9 @@ class Strategy:
     # own (ProfileBarrier), instead of idling while the slowest profiles (within its epoch,
     # unless profile_within_epoch=False)
     steps_while_others_profile = False
+    # The first round (and the plan, collective) ends at the end of the first pass over the
+    # data at the latest (_end_of_pass_before_plan); bsp, whose round is one step, needs not.
+    first_round_within_pass = True
 
     def __init__(self, model, params, *, comm, sampler=None, heterogeneity=None,
                  evaluate: Optional[Callable[[], float]] = None, eval_every_s: float = 2.0,
@@ -263,6 +276,15 @@ class Strategy:
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         if getattr(self, "join", None) is None:   # a replacement's sampler is rebound later
             check_sampler(sampler, self.rank, self.size)
+        if self.profiled and not hasattr(sampler, "set_shares") and self.rank == control_rank:
+            warnings.warn(
+                f"strategy {self.name!r} sizes each rank's data share by its speed, but "
+                + ("no sampler= was given" if sampler is None else
+                   f"sampler= is a {type(sampler).__name__}") + ", not an "
+                "ashl.HeterogeneousSampler: "
+                "every rank reads its own fixed share, so the faster ranks wait for the "
+                "slowest at the end of each epoch; pass sampler=ashl.HeterogeneousSampler(...)",
+                stacklevel=_callers_level())
         if not 0 <= control_rank < self.size:
             raise ValueError(f"the control rank (server_rank) {control_rank} is not a rank "
                              f"of this {self.size}-rank job")
@@ -326,8 +348,9 @@ class Strategy:
                              f"got {profile_within_epoch!r}")
         if self.steps_while_others_profile and profile_within_epoch:
             self.steps_while_others_profile = hasattr(sampler, "on_exhausted")
-            if self.steps_while_others_profile:
-                sampler.on_exhausted(self._end_of_profiling_pass)
+        if profile_within_epoch and self.first_round_within_pass and hasattr(
+                sampler, "on_exhausted"):
+            sampler.on_exhausted(self._end_of_pass_before_plan)
 
     # ------------------------------------------------------------ what a strategy supplies
     def local_steps_target(self) -> int:
@@ -474,14 +497,24 @@ class Strategy:
         self.clock.exclude(time.perf_counter() - t0 - evaluating)
         self.clock.pause(evaluating)
 
-    def _end_of_profiling_pass(self) -> None:
-        """The sampler's pass is over while this rank steps on waiting for the others'
-        profiling: the profiling round ends here, before the script's code between epochs."""
-        if (self.stage is Stage.PROFILE and not self.planned and not self.finished
-                and self.profile_barrier.enough(self.round_steps, self.profile_steps)):
-            self._end_round()
+    def _end_of_pass_before_plan(self) -> None:
+        """The sampler's pass is over before the first round ended (an epoch shorter than
+        the profile or the first H: a small dataset, a large batch, a rank with one batch):
+        the first round ends here, whatever its steps, before the script's code between
+        epochs. A rank that went on into its next epoch would meet the script's collectives
+        there (an hvd.allreduce of its metrics) while another waits in the plan's or the
+        first round's; every rank ends its first round within its first pass instead."""
+        if self.planned or self.finished:
+            return
+        if not self.started:          # a rank whose pass was empty
+            self.before_step()
+        self._end_round()
 
     def _plan(self) -> None:
+        if not self.profiler.samples["compute"]:
+            # no step was timed (an empty first pass, or finish() before a step): the plan
+            # still needs every rank's number; the drift re-plan corrects it later
+            self.profiler.record("compute", 1e-3)
         if self.steps_while_others_profile:
             # entered by every rank once, even one that stopped before its profiling steps:
             # the collectives of the plan line up
@@ -547,8 +580,6 @@ class Strategy:
         t0 = time.perf_counter()
         if not self.planned:
             # Stopped before the first round ended: plan now so the collective calls line up.
-            if not self.profiler.samples["compute"]:
-                self.profiler.record("compute", 1e-3)
             self._plan()
         if not self.finished:
             self.left_early = True

@@ -76,6 +76,7 @@ _GRADS_NAME = "ashl.bsp.grads"
 class BspStrategy(Strategy):
     name = "bsp"
     single_stage = True
+    first_round_within_pass = False        # every step is a round, in lockstep
     accepts_compression = ("none", "fp16")   # Horovod's own, on the gradients
     backward_passes_per_step = 1            # DistributedOptimizer's, set after construction
     sparse_as_dense = False                 # DistributedOptimizer's, set after construction

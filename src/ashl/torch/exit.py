@@ -103,22 +103,48 @@ def _failure_status() -> int:
 
 def _leave(live: list) -> None:
     from mpi4py import MPI
-    if MPI.Is_finalized():
-        print(f"ashl: rank {live[0]._ashl.rank}: MPI was shut down before the run was left "
-              "(hvd.shutdown() before the end of the script?); call opt.finish() before it",
-              file=sys.stderr, flush=True)
+    if MPI.Is_finalized() or _horovod_shut_down(live):
+        print(f"ashl: rank {live[0]._ashl.rank}: MPI or Horovod was shut down before the run "
+              "was left (hvd.shutdown() before the end of the script?); call opt.finish() "
+              "before it", file=sys.stderr, flush=True)
         return
     if _failure:
         why = _failure[0]
         if isinstance(why, SystemExit):
             _abort(live[0], f"sys.exit({why.code!r})", _failure_status())
         _abort(live[0], f"an uncaught {type(why).__name__}: {why}")
+    stalled = threading.Timer(STALL_WARNING_S, _warn_stalled, (live[0]._ashl,))
+    stalled.daemon = True
+    stalled.start()
     for optimizer in reversed(live):
         try:
             optimizer.finish()
         except BaseException as exc:   # noqa: BLE001 - the job must not hang on it
             traceback.print_exc()
             _abort(optimizer, f"finish() failed at exit: {type(exc).__name__}: {exc}")
+    stalled.cancel()
+
+
+STALL_WARNING_S = 60.0    # as Horovod's stall check: then say what may be wrong
+
+
+def _warn_stalled(strategy) -> None:
+    print(f"ashl: rank {strategy.rank} of {strategy.size}: its script ended {STALL_WARNING_S:g} s "
+          "ago and it still waits for the other ranks to end the run. If they wait in a "
+          "collective this rank skipped (an hvd.allreduce of metrics after it left its "
+          "training loop early), the job cannot end: every rank must leave its loop at the "
+          "same point (Horovod's stall warning names the collective)",
+          file=sys.stderr, flush=True)
+
+
+def _horovod_shut_down(live: list) -> bool:
+    """Does a strategy that exchanges through Horovod (bsp, the averaging ones) find it shut
+    down? (MPI, which mpi4py initialised, outlives hvd.shutdown().)"""
+    for optimizer in live:
+        hvd = getattr(optimizer._ashl, "hvd", None)
+        if hvd is not None and not hvd.is_initialized():
+            return True
+    return False
 
 
 def _abort(optimizer, why: str, code: int = 1) -> None:
@@ -133,14 +159,18 @@ def _abort(optimizer, why: str, code: int = 1) -> None:
     MPI.COMM_WORLD.Abort(code)
 
 
-def end_failed_start(exc: BaseException, comm=None) -> None:
-    """A fault-tolerant optimizer failed to start on this rank: under mpirun
-    --enable-recovery the others would wait in the start-up collectives for ever, so the
-    job ends (MPI_Abort) after the error is printed. A test's in-process world is left as
-    it is (the error is raised)."""
+def end_failed_start(exc: BaseException, comm=None, abort: bool = True) -> None:
+    """A fault-tolerant optimizer failed to start on this rank: its failure is left for
+    ``python -m ashl.run`` (mpirun --enable-recovery reports 0), and, unless the failure
+    is one every rank meets alike (`abort` False: the error is raised on each), the job
+    ends (MPI_Abort) after the error is printed, as the others would wait in the start-up
+    collectives for ever. A test's in-process world is left as it is (the error is raised)."""
     if comm is not None and not type(comm).__module__.startswith("mpi4py"):
         return
     from mpi4py import MPI
+    write_status(MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size(), 1, [])
+    if not abort:
+        return
     traceback.print_exception(exc)
     print(f"ashl: rank {MPI.COMM_WORLD.Get_rank()}: the fault-tolerant run could not start "
           f"({type(exc).__name__}: {exc}); ending the job", file=sys.stderr, flush=True)

@@ -234,7 +234,12 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     if model is not None:
         _check_model_holds(optimizer, model)
     params = _params(optimizer, model, named_parameters)
-    kwargs = _strategy_options(strategy, staleness, config)
+    try:
+        kwargs = _strategy_options(strategy, staleness, config)
+    except ValueError as exc:   # refused alike on every rank: no collective is left waiting
+        if config.get("fault_tolerant"):
+            end_failed_start(exc, config.get("comm"), abort=False)
+        raise
     _store_flat(model, params, strategy, flat_storage)
     try:
         engine = make_strategy(strategy, model, params, sampler=sampler,

@@ -2,8 +2,14 @@
 
 Like torch's DistributedSampler, every rank draws the same permutation of range(n) from
 (seed, epoch) and reads a disjoint slice of it; unlike it, the slices are sized by the plan
-(a fast rank gets more samples), so the union over ranks of one epoch is exactly one
-permutation of the dataset: each sample is used once per global epoch.
+(a fast rank gets more samples), so the union over ranks of one epoch is one permutation
+of the dataset: each sample is used once per global epoch.
+
+Two exceptions, both DistributedSampler's own (without ``drop_last``): equal shares of a
+dataset the ranks do not divide are padded to equal counts, and a rank whose share rounds to
+no sample reads one, by reading on past the permutation's end from its start. A lockstep
+strategy (bsp) needs every rank to take the same number of steps per epoch, and a rank with
+no step in an epoch would leave the others waiting for it.
 
 Shares change when the plan changes. A change never touches an iteration already running
 (its indices are fixed when it starts); it applies from the next epoch boundary, or from an
@@ -21,7 +27,7 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler
 
-__all__ = ["HeterogeneousSampler", "shares_to_counts"]
+__all__ = ["HeterogeneousSampler", "shares_to_counts", "padded_counts"]
 
 
 def _world() -> tuple[int, int]:
@@ -43,6 +49,10 @@ def _world() -> tuple[int, int]:
     return 1, 0
 
 
+def _as_list(shares):
+    return shares.tolist() if hasattr(shares, "tolist") else list(shares)  # numpy / torch
+
+
 def shares_to_counts(shares: Sequence, n: int, num_replicas: int, drop_last: bool = False) -> tuple[int, ...]:
     """Samples per rank for `shares` of a dataset of `n`.
 
@@ -53,8 +63,7 @@ def shares_to_counts(shares: Sequence, n: int, num_replicas: int, drop_last: boo
     rule), so they sum to n; with `drop_last`, only the floors are kept and the fewer than
     `num_replicas` leftover samples are skipped that epoch.
     """
-    if hasattr(shares, "tolist"):  # numpy array / torch tensor
-        shares = shares.tolist()
+    shares = _as_list(shares) if hasattr(shares, "tolist") else shares
     if isinstance(shares, (str, bytes)) or not isinstance(shares, Sequence):
         raise ValueError(f"shares must be a list of numbers, got {type(shares).__name__}")
     shares = list(shares)
@@ -86,6 +95,16 @@ def shares_to_counts(shares: Sequence, n: int, num_replicas: int, drop_last: boo
     return tuple(counts)
 
 
+def padded_counts(counts: Sequence[int], n: int, equal: bool) -> tuple[int, ...]:
+    """`counts` (an exact partition of n) padded as DistributedSampler pads: to
+    ceil(n / ranks) each for `equal` shares, and to at least one sample per rank."""
+    if n == 0:
+        return tuple(counts)
+    if equal:
+        return (-(-n // len(counts)),) * len(counts)
+    return tuple(max(c, 1) for c in counts)
+
+
 def _epoch_seed(seed: int, epoch: int) -> int:
     """A generator seed for (seed, epoch); unlike seed + epoch, (0, 1) and (1, 0) differ."""
     state = np.random.SeedSequence([seed & (2**64 - 1), epoch]).generate_state(2, np.uint32)
@@ -104,7 +123,9 @@ class HeterogeneousSampler(Sampler[int]):
         shuffle: permute with a generator seeded from (seed, epoch) (same on every rank).
         seed: must be the same on every rank.
         drop_last: skip the (< num_replicas) samples fractional shares cannot place exactly,
-            instead of giving them to the ranks with the largest remainders.
+            instead of giving them to the ranks with the largest remainders; nothing is
+            padded (without it, equal shares are padded to equal counts and every rank
+            reads at least one sample, as with DistributedSampler).
 
     Call `set_epoch(e)` before each epoch, as with DistributedSampler.
     """
@@ -142,7 +163,15 @@ class HeterogeneousSampler(Sampler[int]):
         self._on_exhausted: list = []   # called when a pass has handed out all its indices
         if shares is None:
             shares = [Fraction(1, self.num_replicas)] * self.num_replicas
-        self._schedule.append((0, shares_to_counts(shares, n, self.num_replicas, self.drop_last)))
+        self._schedule.append((0, self._counts(shares)))
+
+    def _counts(self, shares: Sequence) -> tuple[int, ...]:
+        """Samples per rank for `shares`: the exact partition, padded unless drop_last."""
+        counts = shares_to_counts(shares, self.n, self.num_replicas, self.drop_last)
+        if self.drop_last or all(isinstance(x, numbers.Integral) for x in _as_list(shares)):
+            return counts       # (integer shares are the user's own counts)
+        values = _as_list(shares)
+        return padded_counts(counts, self.n, equal=all(x == values[0] for x in values))
 
     def rebind(self, rank: int, num_replicas: int) -> None:
         """Become rank `rank` of `num_replicas` (a replacement that took a lost rank's slot);
@@ -153,8 +182,7 @@ class HeterogeneousSampler(Sampler[int]):
                 and isinstance(rank, numbers.Integral) and 0 <= rank < num_replicas):
             raise ValueError(f"rank {rank!r} of {num_replicas!r} replicas is not a rank")
         self.num_replicas, self.rank = int(num_replicas), int(rank)
-        equal = shares_to_counts([Fraction(1, self.num_replicas)] * self.num_replicas, self.n,
-                                 self.num_replicas, self.drop_last)
+        equal = self._counts([Fraction(1, self.num_replicas)] * self.num_replicas)
         self._schedule, self._pending = [(0, equal)], None
 
     # --- plan ------------------------------------------------------------------
@@ -177,7 +205,7 @@ class HeterogeneousSampler(Sampler[int]):
         iteration already running keeps its indices. Shares scheduled for later epochs are
         replaced (the latest call wins). Validated immediately.
         """
-        counts = shares_to_counts(shares, self.n, self.num_replicas, self.drop_last)
+        counts = self._counts(shares)
         if epoch is None:
             self._pending = None
             if self._started:
@@ -222,6 +250,8 @@ class HeterogeneousSampler(Sampler[int]):
             order = torch.randperm(self.n, generator=g)
         else:
             order = torch.arange(self.n)
+        if sum(counts) > self.n:     # padded: read on from the permutation's start
+            order = order.repeat(-(-sum(counts) // self.n))
         return order[start:stop].tolist()
 
     def on_iteration(self, callback) -> None:
