@@ -38,6 +38,8 @@ parser.add_argument("--at-commit", type=int, default=10)
 parser.add_argument("--die-at-step", type=int, default=-1, metavar="RANK",
                     help="this rank kills itself at its 3rd step, while profiling")
 parser.add_argument("--startup-timeout", type=float, default=None)
+parser.add_argument("--strategy", default="ashl")
+parser.add_argument("--transport", default="zmq")
 args = parser.parse_args()
 
 hvd.init(comm=MPI.COMM_WORLD)
@@ -57,7 +59,8 @@ sampler = ashl.HeterogeneousSampler(data.train, num_replicas=hvd.size(), rank=hv
 optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * hvd.size(), momentum=0.9)
 optimizer = ashl.DistributedOptimizer(
     optimizer, named_parameters=model.named_parameters(), backward_passes_per_step=1,
-    model=model, sampler=sampler, fault_tolerant=True, evaluate=accuracy, eval_every_s=0.2,
+    model=model, sampler=sampler, strategy=args.strategy, transport=args.transport,
+    fault_tolerant=True, evaluate=accuracy, eval_every_s=0.2,
     startup_timeout_s=args.startup_timeout,
     stage_config=StageConfig(target_accuracy=args.target_accuracy, max_seconds=args.max_seconds))
 ashl.broadcast_parameters(model.state_dict(), root_rank=0)

@@ -148,3 +148,15 @@ def test_a_worker_lost_while_profiling_ends_the_job_instead_of_hanging_it(tmp_pa
     assert "rank 2: killed while profiling" in text
     assert "a rank was lost before training began; ending the job" in text
     assert rc == 1, text[-3000:]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("option,value,says", [
+    ("--strategy", "localsgd", "strategy 'localsgd' is synchronous and fail-stop"),
+    ("--transport", "mpi", "the fault-tolerant run could not start")])
+def test_a_fault_tolerant_run_that_cannot_start_fails_the_job(option, value, says, tmp_path):
+    """mpirun --enable-recovery reports 0 whatever its ranks' statuses; a run refused on
+    every rank (or failing to start on one) leaves its failure for ashl.run."""
+    job = Job(tmp_path, 3, option, value, script=Path(__file__).parent / "ft_script.py")
+    rc = job.finish(90)
+    assert rc == 1 and says in job.text(), job.text()[-3000:]

@@ -153,6 +153,20 @@ print(f"rank {rank} finalized={MPI.Is_finalized()}", flush=True)
 """
 
 
+@pytest.mark.parametrize("strategy", ["localsgd", "bsp"])
+def test_hvd_shutdown_before_the_run_is_left_says_to_finish_first(strategy, tmp_path):
+    """Under the strategies that exchange through Horovod, MPI (mpi4py's) outlives
+    hvd.shutdown(): the exit must still name the mistake, not fail on an uninitialised
+    Horovod. (The parameter-server strategies finish over MPI alone, so for them it is no
+    mistake.)"""
+    text = SCRIPT.read_text() + "    hvd.shutdown()\n"
+    proc = _util.mpirun(3, converted(tmp_path, text, strategy=strategy), "--epochs", "1",
+                        timeout=120, env=GPU_LIKE, check=False)
+    said = "shut down before the run was left (hvd.shutdown() before the end of the script?)"
+    assert said in proc.stderr and "call opt.finish() before it" in proc.stderr, proc.stderr
+    assert "has not been initialized" not in proc.stderr, proc.stderr
+
+
 def test_one_ranks_horovod_shutdown_leaves_mpi_to_every_rank(tmp_path):
     script = tmp_path / "outlives.py"
     script.write_text(OUTLIVES_HOROVOD)
