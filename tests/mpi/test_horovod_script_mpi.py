@@ -4,6 +4,7 @@ metrics. It exits 0 and reaches the unchanged Horovod script's accuracy within t
 (within 3 points in one run on a 2-core machine; the benchmark's median is within 2).
 A rank that raises mid-epoch, or calls sys.exit with a failure status, ends the job at once,
 naming the rank (no hang, no segfault)."""
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -90,6 +91,23 @@ def test_a_rank_that_raises_mid_epoch_ends_the_job_naming_it(tmp_path):
 def test_a_rank_that_exits_with_a_failure_status_ends_the_job_naming_it(tmp_path):
     out = failing_run(tmp_path, 2, "sys.exit(3)", imports="import sys\n")
     assert "ashl: rank 2 of 3 ended with sys.exit(3)" in out, out[-3000:]
+
+
+def test_a_rank_that_leaves_its_loop_early_ends_the_job_instead_of_hanging_it(tmp_path):
+    """Rank 1 leaves its epoch loop while the others go on to their metrics' allreduce. As
+    under plain Horovod (the leaving rank's Horovod shuts down and fails the others'
+    allreduce), the job ends naming a rank; it used to wait for ever (ashl's exit finished
+    the run first, waiting for ranks that waited for rank 1)."""
+    text = SCRIPT.read_text().replace(
+        "        train(epoch)\n",
+        "        train(epoch)\n        if hvd.rank() == 1 and epoch == 2:\n            break\n")
+    assert "epoch == 2" in text
+    proc = _util.mpirun(3, converted(tmp_path, text), "--epochs", "4", timeout=120,
+                        env=GPU_LIKE, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode not in (0, 139) and "Segmentation fault" not in out, out[-3000:]
+    assert re.search(r"ashl: rank [02] of 3 ended with an uncaught HorovodInternalError",
+                     out), out[-3000:]
 
 
 @pytest.mark.parametrize("strategy", ["ashl-sync", "localsgd", "bsp", "ashl", "async-localsgd"])

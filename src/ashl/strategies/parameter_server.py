@@ -647,7 +647,8 @@ class ServerStrategy(Strategy):
         if epoch is not None and begun is not None and begun(epoch):
             self.late_shares += 1
             log.warning("rank %d: new data shares apply from epoch %d, which this rank has "
-                        "already begun: that epoch reads some samples twice and some never",
+                        "already begun with its old share: unless every rank began it so, "
+                        "that epoch reads some samples twice and some never",
                         self.rank, epoch)
         self.sampler.set_shares(list(self.plan.stage(self.stage.planned).shares), epoch=epoch)
 

@@ -113,6 +113,7 @@ def _leave(live: list) -> None:
         if isinstance(why, SystemExit):
             _abort(live[0], f"sys.exit({why.code!r})", _failure_status())
         _abort(live[0], f"an uncaught {type(why).__name__}: {why}")
+    _shut_horovod_down(live)
     stalled = threading.Timer(STALL_WARNING_S, _warn_stalled, (live[0]._ashl,))
     stalled.daemon = True
     stalled.start()
@@ -135,6 +136,20 @@ def _warn_stalled(strategy) -> None:
           "training loop early), the job cannot end: every rank must leave its loop at the "
           "same point (Horovod's stall warning names the collective)",
           file=sys.stderr, flush=True)
+
+
+def _shut_horovod_down(live: list) -> None:
+    """Shut Horovod down before finishing, as a plain Horovod script's exit does, where the
+    run finishes over MPI alone (the parameter-server strategies; not bsp and the averaging
+    ones, which finish through Horovod, nor a fault-tolerant run, whose lost peers could hold
+    it). A correct script has no collective left on any rank by now; but if this rank left
+    its loop early while the others wait in an hvd.allreduce it skipped, Horovod fails
+    theirs (the job ends, naming them) instead of every rank waiting for ever."""
+    if any(getattr(o._ashl, "hvd", None) is not None or o._ashl.fault_tolerant for o in live):
+        return
+    hvd = sys.modules.get("horovod.torch")
+    if hvd is not None and hvd.is_initialized():
+        hvd.shutdown()
 
 
 def _horovod_shut_down(live: list) -> bool:
