@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import logging
 import math
-import warnings
 import socket
 import sys
 import time
+import warnings
 from concurrent.futures import Future
 from typing import Callable, Optional
 
@@ -258,7 +258,7 @@ class Strategy:
     # unless profile_within_epoch=False)
     steps_while_others_profile = False
     # The first round (and the plan, collective) ends at the end of the first pass over the
-    # data at the latest (_end_of_pass_before_plan); bsp, whose round is one step, needs not.
+    # data at the latest (_end_of_pass_before_plan); not bsp's, whose every step is a round.
     first_round_within_pass = True
 
     def __init__(self, model, params, *, comm, sampler=None, heterogeneity=None,

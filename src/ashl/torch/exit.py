@@ -33,6 +33,7 @@ import threading
 import traceback
 
 from ..run import LOST_RANKS_STATUS, write_status
+from .mpi import HOROVOD_OWNS_MPI
 
 __all__ = ["leave_at_exit", "LOST_RANKS_STATUS", "exit_without_finalize", "end_failed_start",
            "start_watchdog"]
@@ -145,8 +146,9 @@ def _shut_horovod_down(live: list) -> None:
     it). A correct script has no collective left on any rank by now; but if this rank left
     its loop early while the others wait in an hvd.allreduce it skipped, Horovod fails
     theirs (the job ends, naming them) instead of every rank waiting for ever."""
-    if any(getattr(o._ashl, "hvd", None) is not None or o._ashl.fault_tolerant for o in live):
-        return
+    if HOROVOD_OWNS_MPI or any(getattr(o._ashl, "hvd", None) is not None
+                               or o._ashl.fault_tolerant for o in live):
+        return      # (where Horovod owns MPI, its shutdown would finalise MPI under the run)
     hvd = sys.modules.get("horovod.torch")
     if hvd is not None and hvd.is_initialized():
         hvd.shutdown()

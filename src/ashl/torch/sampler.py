@@ -49,8 +49,8 @@ def _world() -> tuple[int, int]:
     return 1, 0
 
 
-def _as_list(shares):
-    return shares.tolist() if hasattr(shares, "tolist") else list(shares)  # numpy / torch
+def _tolist(shares):
+    return shares.tolist() if hasattr(shares, "tolist") else shares  # numpy array / tensor
 
 
 def shares_to_counts(shares: Sequence, n: int, num_replicas: int, drop_last: bool = False) -> tuple[int, ...]:
@@ -63,7 +63,7 @@ def shares_to_counts(shares: Sequence, n: int, num_replicas: int, drop_last: boo
     rule), so they sum to n; with `drop_last`, only the floors are kept and the fewer than
     `num_replicas` leftover samples are skipped that epoch.
     """
-    shares = _as_list(shares) if hasattr(shares, "tolist") else shares
+    shares = _tolist(shares)
     if isinstance(shares, (str, bytes)) or not isinstance(shares, Sequence):
         raise ValueError(f"shares must be a list of numbers, got {type(shares).__name__}")
     shares = list(shares)
@@ -168,9 +168,9 @@ class HeterogeneousSampler(Sampler[int]):
     def _counts(self, shares: Sequence) -> tuple[int, ...]:
         """Samples per rank for `shares`: the exact partition, padded unless drop_last."""
         counts = shares_to_counts(shares, self.n, self.num_replicas, self.drop_last)
-        if self.drop_last or all(isinstance(x, numbers.Integral) for x in _as_list(shares)):
+        values = list(_tolist(shares))
+        if self.drop_last or all(isinstance(x, numbers.Integral) for x in values):
             return counts       # (integer shares are the user's own counts)
-        values = _as_list(shares)
         return padded_counts(counts, self.n, equal=all(x == values[0] for x in values))
 
     def rebind(self, rank: int, num_replicas: int) -> None:
