@@ -44,19 +44,30 @@ GPU_LIKE = {"ASHL_EMULATE_STEP_TIME": "0.01"}
 
 
 def test_ashl_reaches_horovods_accuracy_and_exits_cleanly(tmp_path):
-    _util.mpirun(3, "-m", "ashl.emulate", SCRIPT, "--epochs", EPOCHS,
-                 "--result", tmp_path / "hvd.txt", timeout=300, env=GPU_LIKE)
+    plain = _util.mpirun(3, "-m", "ashl.emulate", SCRIPT, "--epochs", EPOCHS,
+                         "--result", tmp_path / "hvd.txt", timeout=300, env=GPU_LIKE)
     proc = _util.mpirun(3, converted(tmp_path), "--epochs", EPOCHS,
                         "--result", tmp_path / "ashl.txt", timeout=300, env=GPU_LIKE)
     assert "Segmentation fault" not in proc.stdout + proc.stderr
-    horovod = accuracy(tmp_path / "hvd.txt")
-    epochs = [float(m.group(2)) / 100 for m in _TEST_LINE.finditer(proc.stdout)]
-    assert len(epochs) == int(EPOCHS)                 # the script's own test() every epoch
-    # One asynchronous run: held to 3 points (the old merge was 6 short); the benchmark's
-    # median over repeats holds 2 (BENCHMARKS.md).
-    assert max(epochs) >= horovod - 0.03, (epochs, horovod)
+    horovod = epoch_accuracies(plain.stdout)
+    epochs = epoch_accuracies(proc.stdout)
+    assert len(epochs) == len(horovod) == int(EPOCHS)   # the script's own test() every epoch
+    # One run of each: held to 3 points (the old merge was 6 short; the benchmark's median
+    # over repeats holds 2, BENCHMARKS.md), on the mean of the last three epochs, as one
+    # epoch's reading of 360 test images moves by a point or more (one CI run read 3.06
+    # points short on the last epoch alone).
+    assert max(epochs) >= max(horovod) - 0.03, (epochs, horovod)
+    assert abs(last_three(epochs) - last_three(horovod)) <= 0.03, (epochs, horovod)
     final = accuracy(tmp_path / "ashl.txt")
-    assert abs(final - horovod) <= 0.03, (final, epochs, horovod)
+    assert abs(final - last_three(horovod)) <= 0.03, (final, epochs, horovod)
+
+
+def epoch_accuracies(stdout: str) -> list[float]:
+    return [float(m.group(2)) / 100 for m in _TEST_LINE.finditer(stdout)]
+
+
+def last_three(accuracies: list[float]) -> float:
+    return sum(accuracies[-3:]) / 3
 
 
 def test_the_converted_script_under_horovodrun(tmp_path):
@@ -93,21 +104,29 @@ def test_a_rank_that_exits_with_a_failure_status_ends_the_job_naming_it(tmp_path
     assert "ashl: rank 2 of 3 ended with sys.exit(3)" in out, out[-3000:]
 
 
-def test_a_rank_that_leaves_its_loop_early_ends_the_job_instead_of_hanging_it(tmp_path):
-    """Rank 1 leaves its epoch loop while the others go on to their metrics' allreduce. As
-    under plain Horovod (the leaving rank's Horovod shuts down and fails the others'
-    allreduce), the job ends naming a rank; it used to wait for ever (ashl's exit finished
-    the run first, waiting for ranks that waited for rank 1)."""
+@pytest.mark.parametrize("strategy,owner", [
+    ("ashl", "mpi4py"), ("ashl", "horovod-first"), ("localsgd", "mpi4py"),
+    ("ashl-sync", "horovod-first"), ("diloco", "mpi4py"), ("bsp", "mpi4py"),
+    ("adsp", "mpi4py")])
+def test_a_rank_that_leaves_its_loop_early_ends_the_job_instead_of_hanging_it(
+        strategy, owner, tmp_path):
+    """Rank 1 leaves its epoch loop while the others go on to their metrics' allreduce. It
+    leaves the run in hvd.join(), as Horovod's recipe for uneven data has it: the others'
+    allreduces complete with zeros in its place, they stop training at their next round or
+    commit, and the job ends with every epoch's test line. It used to wait for ever (its
+    exit's last round, or the final broadcast, met the others' allreduce). Both layouts:
+    hvd.init() after ``import ashl.torch`` (mpi4py owns MPI) and before it."""
     text = SCRIPT.read_text().replace(
         "        train(epoch)\n",
         "        train(epoch)\n        if hvd.rank() == 1 and epoch == 2:\n            break\n")
     assert "epoch == 2" in text
-    proc = _util.mpirun(3, converted(tmp_path, text), "--epochs", "4", timeout=120,
-                        env=GPU_LIKE, check=False)
+    script = converted(tmp_path, text, strategy)
+    if owner == "horovod-first":
+        script.write_text(horovod_first(script.read_text()))
+    proc = _util.mpirun(3, script, "--epochs", "4", timeout=120, env=GPU_LIKE, check=False)
     out = proc.stdout + proc.stderr
-    assert proc.returncode not in (0, 139) and "Segmentation fault" not in out, out[-3000:]
-    assert re.search(r"ashl: rank [02] of 3 ended with an uncaught HorovodInternalError",
-                     out), out[-3000:]
+    assert proc.returncode == 0 and "Segmentation fault" not in out, out[-3000:]
+    assert len(_TEST_LINE.findall(proc.stdout)) == 4, out[-3000:]   # rank 0's, every epoch
 
 
 @pytest.mark.parametrize("strategy", ["ashl-sync", "localsgd", "bsp", "ashl", "async-localsgd"])

@@ -175,9 +175,11 @@ class FakeHorovod:
         tensor.copy_(self.comm.bcast(tensor.detach().clone(), root=root_rank))
         return tensor
 
-    def join(self):
-        """Every rank ends in join() here (a rank that joins early is not modelled)."""
-        self.comm.Barrier()
+    def join(self, device=-1):
+        """As Horovod's: until every rank has joined, this one adds nothing (None, read as
+        zeros) to the others' allreduce_."""
+        while any(part is not None for part in self.comm.allgather(None)):
+            pass
 
 
 class FakeWorld:

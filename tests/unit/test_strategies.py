@@ -265,17 +265,52 @@ def test_diloco_takes_the_outer_nesterov_step_on_the_average_parameters_only():
 
 
 def test_a_rank_that_leaves_early_stops_the_others_on_the_same_round():
+    """The leaving rank joins: the others' next round gets zeros from it and every one of
+    them stops there; then its partial round (one step past its last) is merged into the
+    final model, and it reports the others' stop."""
     def rank_fn(comm, hvd):
         model, x, y = model_and_data(comm.Get_rank())
         opt = wrapped("localsgd", comm, hvd, model, local_steps=2,
                       stage_config=StageConfig(max_commits=10_000))
-        return train(opt, model, x, y, leave_after=4 if comm.Get_rank() == 1 else None)
+        leaving = comm.Get_rank() == 1
+        before = {}
+        original = opt.finish
+
+        def finish():       # what each rank holds when it leaves its loop
+            s = opt.strategy
+            before.update(params=torch.cat([t.detach().reshape(-1).clone() for t in s.tensors]),
+                          anchors=torch.cat([a.reshape(-1).clone() for a in s.anchors]))
+            original()
+        opt.finish = finish
+        result = train(opt, model, x, y, leave_after=5 if leaving else None)
+        result["final"] = torch.cat([t.detach().reshape(-1) for t in opt.strategy.tensors])
+        return {**result, **before}
 
     results = FakeWorld(3).run(rank_fn)
     assert [r["counters"]["left_early"] for r in results] == [False, True, False]
+    assert [r["counters"]["commits"] for r in results] == [3, 2, 3]   # the others' 3rd: zeros
     for r in results:
-        assert r["counters"]["commits"] == 3     # two rounds, then the leaving round
-        assert "1 rank(s) called finish()" in r["counters"]["stop_reason"]
+        assert r["counters"]["stop_reason"] == "1 rank(s) called finish() before the run ended"
+        assert torch.equal(r["flat"], results[0]["flat"])
+        assert r["transitions"] == results[0]["transitions"]
+    leaver, first = results[1], results[0]
+    assert torch.equal(first["params"], first["anchors"])    # stopped: nothing since its round
+    partial = leaver["params"] - leaver["anchors"]
+    assert partial.abs().max() > 0
+    torch.testing.assert_close(first["final"], first["anchors"] + partial / 3)
+
+
+def test_every_rank_that_leaves_at_once_reports_the_lowest_ranks_stop():
+    def rank_fn(comm, hvd):
+        model, x, y = model_and_data(comm.Get_rank())
+        opt = wrapped("localsgd", comm, hvd, model, local_steps=2,
+                      stage_config=StageConfig(max_commits=10_000))
+        return train(opt, model, x, y, leave_after=5)
+
+    results = FakeWorld(3).run(rank_fn)
+    assert all(r["counters"]["left_early"] for r in results)
+    for r in results:
+        assert r["counters"]["stop_reason"] == "rank 0 called finish() before the run ended"
         assert torch.equal(r["flat"], results[0]["flat"])
 
 

@@ -26,11 +26,16 @@ partial round and then joins the others' rounds with an empty delta and EPOCH_DO
 every rank's pass has ended: all leave the epoch at the same allreduce. Its rounds then wait
 for its next pass; the batches still in its loader count into that pass's first round.
 
-A rank that calls ``finish()`` before the run has ended does one last round with its partial
-delta and PRESENT=0; the others meet it at their own allreduce and all stop on that round.
-Stop decisions only ever come from allreduced numbers, so no rank can be left waiting in an
-allreduce nobody else joins. ``finish()`` then broadcasts rank 0's model (ranks hold the same
-model already; this removes any last-bit difference a reduction might leave).
+A rank that calls ``finish()`` before the run has ended joins (``hvd.join()``), as bsp's
+does: while it waits there, Horovod completes the others' allreduces with zeros in its place,
+their rounds read PRESENT < n and every one of them stops on the same round. The others may
+as well be waiting in a collective of the script's own (an epoch's metrics, which a rank that
+broke out of its loop skipped): the join completes that one too, so no rank waits for ever.
+Once every rank has joined, one last allreduce merges what each rank trained since its last
+round (the leaving rank's partial round; zeros from the others), the rank that left takes
+the others' stage history (it missed their last round), and rank 0's model is broadcast
+(ranks hold the same model already; this removes any last-bit difference a reduction might
+leave).
 
 Horovod must be initialised by the user on the same world: ``hvd.init(comm=MPI.COMM_WORLD)``.
 A subclass supplies the plan and the merge weight.
@@ -50,9 +55,10 @@ from ..outer import PlainMerge, make_outer
 from ..planner import PlannerConfig
 from ..stages import Stage, StageConfig, StageMachine
 from .base import Strategy
-from .control import ControlSlots, decide, idle_seconds
+from .control import (ControlSlots, decide, idle_seconds, last_decisions,
+                      left_early_reason)
 from .model_state import verify_same_model
-from .runtime import horovod, horovod_staging, world_comm
+from .runtime import horovod, horovod_join, horovod_staging, world_comm
 
 log = logging.getLogger("ashl")
 
@@ -101,6 +107,8 @@ class ModelAveragingStrategy(Strategy):
         self._round_start = time.perf_counter()   # for the busy slot
         self._between_passes = False          # this rank's pass ended: no round until the next
         self.join_rounds = 0                  # rounds of epoch joins (the first one partial)
+        self._leaving_weight = 0.0            # the merge weight of a partial round at finish()
+        self._kept_evaluated = False          # the run stopped on the model it evaluated
         if hasattr(sampler, "on_exhausted"):
             sampler.on_exhausted(self._end_of_pass)
             sampler.on_iteration(self._begin_pass)
@@ -149,6 +157,10 @@ class ModelAveragingStrategy(Strategy):
     def _exchange(self, final: bool = False, epoch_done: bool = False):
         """End this rank's round: one allreduce, then the same decisions on every rank;
         returns what the control slots said."""
+        if final:        # a leaving rank joins instead (_final_model); its partial round
+            self._leaving_weight = self.merge_weight(self.stage)   # is merged after that
+            self._machine.stop(time.monotonic() - self.t0, left_early_reason(self.rank))
+            return None
         start, stage, steps = time.time(), self.stage, self.round_steps
         delta, control = self.flat[:self.numel], self.flat[self.numel:]
         busy = time.perf_counter() - self._round_start
@@ -158,7 +170,7 @@ class ModelAveragingStrategy(Strategy):
             elapsed=time.monotonic() - self.t0, plan_t=self.plan_t,
             # the control rank's evaluation of the anchors, started after the last round
             accuracy=self.evaluations.take(wait=True) if self.rank == 0 else None,
-            present=not final, epoch_done=epoch_done))
+            epoch_done=epoch_done))
         # An emulated slow link delays this rank's contribution; the allreduce then ends no
         # sooner than the slowest rank's data arrives, as on a real network.
         self.hetero.depart(4 * self.flat.numel())
@@ -193,16 +205,20 @@ class ModelAveragingStrategy(Strategy):
         """anchors += the summed deltas; params = anchors. Not when the run stops on an
         accuracy measured on the anchors (keep the model that met the target), nor when the
         sum holds NaN/Inf (every rank drops it)."""
-        delta = self.flat[:self.numel]
         target = self.stage_config.target_accuracy
-        keep_evaluated = (self._machine.done and reading.accuracy is not None
-                          and target is not None and reading.accuracy >= target)
+        self._kept_evaluated = (self._machine.done and reading.accuracy is not None
+                                and target is not None and reading.accuracy >= target)
+        return self._apply(self.flat[:self.numel], keep=self._kept_evaluated)
+
+    def _apply(self, delta: torch.Tensor, keep: bool = False) -> bool:
+        """anchors += `delta` (through the outer optimizer, if any); params = anchors. With
+        `keep`, or when `delta` holds NaN/Inf, params = anchors unchanged. Whether it merged."""
         finite = bool(torch.isfinite(delta).all())
         if not finite:
             self.rejected += 1
             log.warning("%s: round %d merged a non-finite delta; every rank drops it",
                         self.name, self.commits)
-        if keep_evaluated or not finite:
+        if keep or not finite:
             delta.zero_()
         elif self.outer_update is not None and bool(delta.any()):
             # the outer step, as a change of the anchors; a round in which nobody moved (an
@@ -212,15 +228,31 @@ class ModelAveragingStrategy(Strategy):
         elif self.outer_update is None:
             self.outer.updates += 1              # the plain merge is unpack_add itself
         kernels.unpack_add(self.tensors, self.anchors, delta)
-        return finite and not keep_evaluated
+        return finite and not keep
 
     # ------------------------------------------------------------------------- the end
     def _final_model(self) -> None:
+        """Collective, in finish(): meet every rank in hvd.join() (module docstring), merge
+        the partial rounds, then every rank takes rank 0's model."""
+        horovod_join(self.hvd, self.staging)
+        self._machine = last_decisions(self.comm, self._machine)
+        self._final_round()
         final = self.flat[:self.numel]
         kernels.pack_delta(self.anchors, [torch.zeros_like(a) for a in self.anchors], final)
         sent = self.staging.to_host_flat(final, "final")
         self.hvd.broadcast_(sent, root_rank=0, name=_FINAL_NAME)
         kernels.unpack_assign(self.tensors, self.anchors, self.staging.to_device(sent, "final"))
+
+    def _final_round(self) -> None:
+        """What each rank trained since its last round (a rank that left early: its partial
+        round; one the run stopped: nothing), summed and merged into rank 0's anchors, unless
+        rank 0 keeps the model that met the target accuracy."""
+        self.flat.zero_()
+        delta = self.flat[:self.numel]
+        kernels.pack_delta(self.tensors, self.anchors, delta, scale=self._leaving_weight)
+        self._allreduce()
+        if self.rank == 0 and bool(delta.any()):
+            self._apply(delta, keep=self._kept_evaluated)
 
     def _close(self) -> None:
         self.mc.close()

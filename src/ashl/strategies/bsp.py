@@ -65,8 +65,8 @@ from ..compression import check_compression
 from ..emulation import BACKWARD_SHARE
 from ..stages import Stage, StageConfig, StageMachine
 from .base import Strategy
-from .control import ControlSlots, decide
-from .runtime import horovod, horovod_staging, world_comm
+from .control import ControlSlots, decide, last_decisions, left_early_reason
+from .runtime import horovod, horovod_join, horovod_staging, world_comm
 
 _CONTROL_NAME = "ashl.bsp.control"
 _FINAL_NAME = "ashl.bsp.final"
@@ -231,8 +231,9 @@ class BspStrategy(Strategy):
 
     def _exchange(self, final: bool = False) -> None:
         """The tiny allreduce, then the same decisions on every rank."""
-        if final:
-            return                        # a leaving rank joins instead (_final_model)
+        if final:                         # a leaving rank joins instead (_final_model)
+            self._machine.stop(time.monotonic() - self.t0, left_early_reason(self.rank))
+            return
         steps, self.round_steps = self.round_steps, 0
         control = self.slots.encode(
             self.rank, loss=self.loss.commit(), busy=0.0, control=self.rank == 0,
@@ -266,7 +267,8 @@ class BspStrategy(Strategy):
         """Every rank meets in hvd.join() (a rank leaving early is seen by the others' next
         control round: it contributes nothing), then all take rank 0's model (parameters and
         floating-point buffers: BatchNorm statistics are not averaged by BSP)."""
-        self.hvd.join()
+        horovod_join(self.hvd, self.staging)
+        self._machine = last_decisions(self.comm, self._machine)
         model = self.flat_model() if self._evaluated_model is None else self._evaluated_model
         flat = self.staging.to_host_flat(model, "final")
         self.hvd.broadcast_(flat, root_rank=0, name=_FINAL_NAME)

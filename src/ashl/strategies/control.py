@@ -22,6 +22,7 @@ order on every rank, to that rank's own StageMachine.
 """
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -30,7 +31,8 @@ import torch
 
 from ..stages import Stage, StageMachine
 
-__all__ = ["ControlSlots", "ControlReading", "decide", "idle_seconds"]
+__all__ = ["ControlSlots", "ControlReading", "decide", "idle_seconds", "last_decisions",
+           "left_early_reason"]
 
 
 @dataclass(frozen=True)
@@ -102,3 +104,18 @@ def decide(machine: StageMachine, reading: ControlReading, commits_per_rank: int
 def idle_seconds(busy: Sequence[float], rank: int) -> float:
     """How long `rank` waited in the allreduce for the busiest rank (an estimate)."""
     return max(0.0, max(busy) - busy[rank])
+
+
+def left_early_reason(rank: int) -> str:
+    """The stop a rank records when it calls ``finish()`` before the run has ended."""
+    return f"rank {rank} called finish() before the run ended"
+
+
+def last_decisions(comm, machine: StageMachine) -> StageMachine:
+    """Collective, once every rank has joined at the end: the stage machine of the rank that
+    saw the most rounds (the lowest such rank), for every rank. A rank that left early missed
+    the rounds the others took without it (in ``hvd.join()``); with this every rank reports
+    the same stages, transitions and stop."""
+    machines = comm.allgather(machine)
+    most = max(range(len(machines)), key=lambda r: (machines[r].commits, -r))
+    return copy.deepcopy(machines[most])

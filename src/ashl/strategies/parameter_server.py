@@ -43,7 +43,7 @@ from ..transport import ZmqRankEnd, advertised_hosts, open_ends
 from . import DEFAULT_TRANSPORT, transport_problem
 from .base import Strategy
 from .model_state import verify_same_model
-from .runtime import world_comm
+from .runtime import join_the_scripts_horovod, world_comm
 
 log = logging.getLogger("ashl")
 
@@ -507,6 +507,8 @@ class ServerStrategy(Strategy):
         """The server's final global model on every rank, and why the run ended: a
         broadcast, or in a fault-tolerant run (no collective may involve a lost rank) one
         message from the server to every rank that left the run."""
+        if not self.fault_tolerant:   # (a lost rank would never join)
+            join_the_scripts_horovod()
         final = torch.empty(self.numel, dtype=torch.float32, pin_memory=self.staging.pinned)
         if self.client.inflight is not None and not self.dropped:
             self._land(wait=True)   # its reply must not be taken for the final model

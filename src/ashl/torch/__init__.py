@@ -6,7 +6,7 @@ of the interpreter, on the main thread, after every rank has left the run (torch
 When Horovod owns MPI, the first rank to shut Horovod down makes every rank's Horovod
 background thread finalise MPI at once, under whatever the rank's main thread is still doing.
 """
-from .mpi import MPI as _MPI  # noqa: F401 - see above (first: it may start MPI)
+from mpi4py import MPI as _MPI  # noqa: F401 - see above
 
 from ..compression import Compression
 from .evaluation import BackgroundEvaluator

@@ -33,7 +33,6 @@ import threading
 import traceback
 
 from ..run import LOST_RANKS_STATUS, write_status
-from .mpi import HOROVOD_OWNS_MPI
 
 __all__ = ["leave_at_exit", "LOST_RANKS_STATUS", "exit_without_finalize", "end_failed_start",
            "start_watchdog"]
@@ -114,7 +113,6 @@ def _leave(live: list) -> None:
         if isinstance(why, SystemExit):
             _abort(live[0], f"sys.exit({why.code!r})", _failure_status())
         _abort(live[0], f"an uncaught {type(why).__name__}: {why}")
-    _shut_horovod_down(live)
     stalled = threading.Timer(STALL_WARNING_S, _warn_stalled, (live[0]._ashl,))
     stalled.daemon = True
     stalled.start()
@@ -133,25 +131,10 @@ STALL_WARNING_S = 60.0    # as Horovod's stall check: then say what may be wrong
 def _warn_stalled(strategy) -> None:
     print(f"ashl: rank {strategy.rank} of {strategy.size}: its script ended {STALL_WARNING_S:g} s "
           "ago and it still waits for the other ranks to end the run. If they wait in a "
-          "collective this rank skipped (an hvd.allreduce of metrics after it left its "
-          "training loop early), the job cannot end: every rank must leave its loop at the "
-          "same point (Horovod's stall warning names the collective)",
+          "collective this rank skipped that hvd.join() cannot complete (an hvd.broadcast "
+          "after it left its training loop early), the job cannot end: every rank must leave "
+          "its loop at the same point (Horovod's stall warning names the collective)",
           file=sys.stderr, flush=True)
-
-
-def _shut_horovod_down(live: list) -> None:
-    """Shut Horovod down before finishing, as a plain Horovod script's exit does, where the
-    run finishes over MPI alone (the parameter-server strategies; not bsp and the averaging
-    ones, which finish through Horovod, nor a fault-tolerant run, whose lost peers could hold
-    it). A correct script has no collective left on any rank by now; but if this rank left
-    its loop early while the others wait in an hvd.allreduce it skipped, Horovod fails
-    theirs (the job ends, naming them) instead of every rank waiting for ever."""
-    if HOROVOD_OWNS_MPI or any(getattr(o._ashl, "hvd", None) is not None
-                               or o._ashl.fault_tolerant for o in live):
-        return      # (where Horovod owns MPI, its shutdown would finalise MPI under the run)
-    hvd = sys.modules.get("horovod.torch")
-    if hvd is not None and hvd.is_initialized():
-        hvd.shutdown()
 
 
 def _horovod_shut_down(live: list) -> bool:
