@@ -264,13 +264,14 @@ def test_diloco_takes_the_outer_nesterov_step_on_the_average_parameters_only():
     assert plain[0]["counters"]["outer"] == {"spec": "none", "updates": 1}
 
 
-def test_a_rank_that_leaves_early_stops_the_others_on_the_same_round():
+@pytest.mark.parametrize("strategy", ["localsgd", "diloco"])
+def test_a_rank_that_leaves_early_stops_the_others_on_the_same_round(strategy):
     """The leaving rank joins: the others' next round gets zeros from it and every one of
-    them stops there; then its partial round (one step past its last) is merged into the
-    final model, and it reports the others' stop."""
+    them stops there; then its partial round (one step past its last) is added to the
+    final model as it is (diloco: no further outer step), and it reports the others' stop."""
     def rank_fn(comm, hvd):
         model, x, y = model_and_data(comm.Get_rank())
-        opt = wrapped("localsgd", comm, hvd, model, local_steps=2,
+        opt = wrapped(strategy, comm, hvd, model, local_steps=2,
                       stage_config=StageConfig(max_commits=10_000))
         leaving = comm.Get_rank() == 1
         before = {}

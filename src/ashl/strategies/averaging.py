@@ -245,14 +245,20 @@ class ModelAveragingStrategy(Strategy):
 
     def _final_round(self) -> None:
         """What each rank trained since its last round (a rank that left early: its partial
-        round; one the run stopped: nothing), summed and merged into rank 0's anchors, unless
-        rank 0 keeps the model that met the target accuracy."""
+        round; one the run stopped: nothing), summed and added to the anchors as it is: no
+        outer step (a round's momentum must not fire again on a few leftover steps), not
+        when the run keeps the model that met the target, not when the sum holds NaN/Inf."""
         self.flat.zero_()
         delta = self.flat[:self.numel]
         kernels.pack_delta(self.tensors, self.anchors, delta, scale=self._leaving_weight)
         self._allreduce()
-        if self.rank == 0 and bool(delta.any()):
-            self._apply(delta, keep=self._kept_evaluated)
+        if self._kept_evaluated or not bool(delta.any()):
+            return
+        if not bool(torch.isfinite(delta).all()):
+            log.warning("%s: the last partial round summed to NaN/Inf; every rank drops it",
+                        self.name)
+            return
+        kernels.unpack_add(self.tensors, self.anchors, delta)
 
     def _close(self) -> None:
         self.mc.close()

@@ -11,8 +11,8 @@ Slots (``ControlSlots.count`` floats):
     ELAPSED, PLAN_T        the control rank's seconds since the strategy started / when the
                            plan was made (the run's clock)
     ACC, HAS_ACC           the control rank's latest evaluation accuracy, new this round
-    PRESENT                1 from every rank still training (a rank leaving early sends 0;
-                           one in ``hvd.join()`` contributes nothing)
+    PRESENT                1 from every rank still training (a rank that left early is in
+                           ``hvd.join()``, which contributes zeros)
     EPOCH_DONE             1 from every rank whose pass over its data has ended (the epoch
                            join of the averaging strategies)
 

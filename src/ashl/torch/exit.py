@@ -130,10 +130,11 @@ STALL_WARNING_S = 60.0    # as Horovod's stall check: then say what may be wrong
 
 def _warn_stalled(strategy) -> None:
     print(f"ashl: rank {strategy.rank} of {strategy.size}: its script ended {STALL_WARNING_S:g} s "
-          "ago and it still waits for the other ranks to end the run. If they wait in a "
-          "collective this rank skipped (it left its training loop early) and that "
-          "hvd.join() does not complete, the job cannot end: every rank must leave its loop "
-          "at the same point (Horovod's stall warning names the collective)",
+          "ago and it still waits for the other ranks to reach the end of theirs (as it should "
+          "while they train on). If they wait instead in a collective this rank skipped (it "
+          "left its training loop early) and that hvd.join() does not complete, the job "
+          "cannot end: every rank must leave its loop at the same point (Horovod's stall "
+          "warning names the collective)",
           file=sys.stderr, flush=True)
 
 
