@@ -13,7 +13,7 @@ from ashl.compression import Compression
 from ashl.stages import StageConfig
 from ashl.strategies import make_strategy
 from ashl.strategies.base import ProfileBarrier, Strategy
-from ashl.strategies.control import ControlSlots, decide
+from ashl.strategies.control import ControlSlots, decide, left_early_reason
 from ashl.stages import Stage, StageMachine
 
 from ashl.torch.optimizer import _strategy_options
@@ -301,7 +301,21 @@ def test_a_rank_that_leaves_early_stops_the_others_on_the_same_round(strategy):
     torch.testing.assert_close(first["final"], first["anchors"] + partial / 3)
 
 
-def test_every_rank_that_leaves_at_once_reports_the_lowest_ranks_stop():
+def test_ranks_that_leave_at_once_are_named_in_the_stop():
+    def rank_fn(comm, hvd):
+        model, x, y = model_and_data(comm.Get_rank())
+        opt = wrapped("localsgd", comm, hvd, model, local_steps=2,
+                      stage_config=StageConfig(max_commits=10_000))
+        return train(opt, model, x, y, leave_after=5 if comm.Get_rank() != 2 else None)
+
+    results = FakeWorld(3).run(rank_fn)     # ranks 0 and 1 leave; 2's next round stops it
+    assert [r["counters"]["left_early"] for r in results] == [True, True, False]
+    for r in results:   # every rank reports the stop rank 2's round decided
+        assert r["counters"]["stop_reason"] == "2 rank(s) called finish() before the run ended"
+        assert torch.equal(r["flat"], results[0]["flat"])
+
+
+def test_a_script_that_ends_on_every_rank_at_once_says_so():
     def rank_fn(comm, hvd):
         model, x, y = model_and_data(comm.Get_rank())
         opt = wrapped("localsgd", comm, hvd, model, local_steps=2,
@@ -311,8 +325,15 @@ def test_every_rank_that_leaves_at_once_reports_the_lowest_ranks_stop():
     results = FakeWorld(3).run(rank_fn)
     assert all(r["counters"]["left_early"] for r in results)
     for r in results:
-        assert r["counters"]["stop_reason"] == "rank 0 called finish() before the run ended"
+        assert r["counters"]["stop_reason"] == "every rank called finish() before the run ended"
+        assert r["transitions"][-1]["reason"] == r["counters"]["stop_reason"]
         assert torch.equal(r["flat"], results[0]["flat"])
+
+
+def test_the_stop_of_ranks_that_left_names_them():
+    assert left_early_reason([1], 3) == "rank(s) 1 called finish() before the run ended"
+    assert left_early_reason([0, 2], 3) == "rank(s) 0, 2 called finish() before the run ended"
+    assert left_early_reason([0, 1, 2], 3) == "every rank called finish() before the run ended"
 
 
 def test_the_control_ranks_evaluation_stops_every_rank():

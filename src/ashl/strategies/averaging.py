@@ -56,7 +56,7 @@ from ..planner import PlannerConfig
 from ..stages import Stage, StageConfig, StageMachine
 from .base import Strategy
 from .control import (ControlSlots, decide, idle_seconds, last_decisions,
-                      left_early_reason)
+                      LEFT_EARLY)
 from .model_state import verify_same_model
 from .runtime import horovod, horovod_join, horovod_staging, world_comm
 
@@ -159,7 +159,7 @@ class ModelAveragingStrategy(Strategy):
         returns what the control slots said."""
         if final:        # a leaving rank joins instead (_final_model); its partial round
             self._leaving_weight = self.merge_weight(self.stage)   # is merged after that
-            self._machine.stop(time.monotonic() - self.t0, left_early_reason(self.rank))
+            self._machine.stop(time.monotonic() - self.t0, LEFT_EARLY)
             return None
         start, stage, steps = time.time(), self.stage, self.round_steps
         delta, control = self.flat[:self.numel], self.flat[self.numel:]

@@ -65,7 +65,7 @@ from ..compression import check_compression
 from ..emulation import BACKWARD_SHARE
 from ..stages import Stage, StageConfig, StageMachine
 from .base import Strategy
-from .control import ControlSlots, decide, last_decisions, left_early_reason
+from .control import LEFT_EARLY, ControlSlots, decide, last_decisions
 from .runtime import horovod, horovod_join, horovod_staging, world_comm
 
 _CONTROL_NAME = "ashl.bsp.control"
@@ -232,7 +232,7 @@ class BspStrategy(Strategy):
     def _exchange(self, final: bool = False) -> None:
         """The tiny allreduce, then the same decisions on every rank."""
         if final:                         # a leaving rank joins instead (_final_model)
-            self._machine.stop(time.monotonic() - self.t0, left_early_reason(self.rank))
+            self._machine.stop(time.monotonic() - self.t0, LEFT_EARLY)
             return
         steps, self.round_steps = self.round_steps, 0
         control = self.slots.encode(

@@ -32,7 +32,7 @@ import torch
 from ..stages import Stage, StageMachine
 
 __all__ = ["ControlSlots", "ControlReading", "decide", "idle_seconds", "last_decisions",
-           "left_early_reason"]
+           "left_early_reason", "LEFT_EARLY"]
 
 
 @dataclass(frozen=True)
@@ -106,16 +106,29 @@ def idle_seconds(busy: Sequence[float], rank: int) -> float:
     return max(0.0, max(busy) - busy[rank])
 
 
-def left_early_reason(rank: int) -> str:
-    """The stop a rank records when it calls ``finish()`` before the run has ended."""
-    return f"rank {rank} called finish() before the run ended"
+LEFT_EARLY = "finish() was called before the run ended"   # a leaving rank's own stop
+
+
+def left_early_reason(ranks: Sequence[int], size: int) -> str:
+    """Why the run stopped when `ranks` called ``finish()`` before it ended, and nothing
+    else stopped it: at a Horovod script's end, every rank."""
+    if len(ranks) == size:
+        return "every rank called finish() before the run ended"
+    return f"rank(s) {', '.join(map(str, ranks))} called finish() before the run ended"
 
 
 def last_decisions(comm, machine: StageMachine) -> StageMachine:
-    """Collective, once every rank has joined at the end: the stage machine of the rank that
-    saw the most rounds (the lowest such rank), for every rank. A rank that left early missed
-    the rounds the others took without it (in ``hvd.join()``); with this every rank reports
-    the same stages, transitions and stop."""
+    """Collective, once every rank has joined at the end: for every rank, the stage machine
+    of the rank that saw the most rounds (one stopped by a round's decision before one that
+    left, then the lowest rank). A rank that left early missed the rounds the others took
+    without it (in ``hvd.join()``); with this every rank reports the same stages,
+    transitions and stop, and a stop by leaving names every rank that left then."""
     machines = comm.allgather(machine)
-    most = max(range(len(machines)), key=lambda r: (machines[r].commits, -r))
-    return copy.deepcopy(machines[most])
+    left = [m.stop_reason == LEFT_EARLY for m in machines]
+    most = max(range(len(machines)), key=lambda r: (machines[r].commits, not left[r], -r))
+    chosen = copy.deepcopy(machines[most])
+    if left[most]:
+        chosen.restate_stop(left_early_reason(
+            [r for r, m in enumerate(machines) if left[r] and m.commits == chosen.commits],
+            len(machines)))
+    return chosen
