@@ -271,13 +271,13 @@ class StageMachine:
             self._finish(now, reason)
         return self.stage
 
-    # --------------------------------------------------------------- internals
     def restate_stop(self, reason: str) -> None:
         """The same stop, better explained: the last transition's and the stop's reason."""
         if self.stage is Stage.DONE and self.transitions:
             self.transitions[-1] = replace(self.transitions[-1], reason=reason)
             self.stop_reason = reason
 
+    # --------------------------------------------------------------- internals
     def _move(self, to: Stage, now: float, reason: str) -> None:
         self.transitions.append(Transition(at_s=now - self.start_time, commits=self._c.commits,
                                            from_stage=self.stage, to_stage=to, reason=reason))

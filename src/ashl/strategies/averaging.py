@@ -55,8 +55,7 @@ from ..outer import PlainMerge, make_outer
 from ..planner import PlannerConfig
 from ..stages import Stage, StageConfig, StageMachine
 from .base import Strategy
-from .control import (ControlSlots, decide, idle_seconds, last_decisions,
-                      LEFT_EARLY)
+from .control import LEFT_EARLY, ControlSlots, decide, idle_seconds, last_decisions
 from .model_state import verify_same_model
 from .runtime import horovod, horovod_join, horovod_staging, world_comm
 
