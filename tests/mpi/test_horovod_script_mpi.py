@@ -104,12 +104,13 @@ def test_a_rank_that_exits_with_a_failure_status_ends_the_job_naming_it(tmp_path
     assert "ashl: rank 2 of 3 ended with sys.exit(3)" in out, out[-3000:]
 
 
-@pytest.mark.parametrize("strategy,owner", [
-    ("ashl", "mpi4py"), ("ashl", "horovod-first"), ("localsgd", "mpi4py"),
-    ("ashl-sync", "horovod-first"), ("diloco", "mpi4py"), ("bsp", "mpi4py"),
-    ("adsp", "mpi4py")])
+@pytest.mark.parametrize("strategy,owner,join", [
+    ("ashl", "mpi4py", False), ("ashl", "horovod-first", False), ("localsgd", "mpi4py", False),
+    ("ashl-sync", "horovod-first", False), ("diloco", "mpi4py", False),
+    ("bsp", "mpi4py", False), ("adsp", "mpi4py", False),
+    ("localsgd", "mpi4py", True), ("bsp", "mpi4py", True), ("ashl", "mpi4py", True)])
 def test_a_rank_that_leaves_its_loop_early_ends_the_job_instead_of_hanging_it(
-        strategy, owner, tmp_path):
+        strategy, owner, join, tmp_path):
     """Rank 1 leaves its epoch loop while the others go on to their metrics' allreduce. It
     leaves the run in hvd.join(), as Horovod's recipe for uneven data has it: the others'
     allreduces complete with zeros in its place, they stop training at their next round or
@@ -120,6 +121,10 @@ def test_a_rank_that_leaves_its_loop_early_ends_the_job_instead_of_hanging_it(
         "        train(epoch)\n",
         "        train(epoch)\n        if hvd.rank() == 1 and epoch == 2:\n            break\n")
     assert "epoch == 2" in text
+    if join:    # and Horovod's recipe for uneven data: every rank's epoch ends in hvd.join()
+        text = text.replace('f"\\tLoss: {loss.item():.6f}")\n',
+                            'f"\\tLoss: {loss.item():.6f}")\n    hvd.join()\n')
+        assert "hvd.join()" in text
     script = converted(tmp_path, text, strategy)
     if owner == "horovod-first":
         script.write_text(horovod_first(script.read_text()))

@@ -330,6 +330,23 @@ def test_a_script_that_ends_on_every_rank_at_once_says_so():
         assert torch.equal(r["flat"], results[0]["flat"])
 
 
+def test_the_run_keeps_its_clock_when_the_control_rank_leaves_early():
+    """Rank 0 (whose clock the run read) joins: the others' stop is timed by rank 1's clock,
+    not read as 0 s from rank 0's zeros."""
+    def rank_fn(comm, hvd):
+        model, x, y = model_and_data(comm.Get_rank())
+        opt = wrapped("localsgd", comm, hvd, model, local_steps=2,
+                      stage_config=StageConfig(max_commits=10_000))
+        return train(opt, model, x, y, leave_after=5 if comm.Get_rank() == 0 else None)
+
+    results = FakeWorld(3).run(rank_fn)
+    for r in results:
+        stop = r["transitions"][-1]
+        assert stop["reason"] == "1 rank(s) called finish() before the run ended"
+        assert stop["at_s"] > 0
+        assert stop["at_s"] >= r["transitions"][-2]["at_s"]
+
+
 def test_the_stop_of_ranks_that_left_names_them():
     assert left_early_reason([1], 3) == "rank(s) 1 called finish() before the run ended"
     assert left_early_reason([0, 2], 3) == "rank(s) 0, 2 called finish() before the run ended"
@@ -402,6 +419,17 @@ def test_control_slots_round_trip_and_decide_the_same_on_every_rank():
     assert stages == {Stage.DONE}
     assert {m.stop_reason for m in machines} == {"1 rank(s) called finish() before the run ended"}
     assert all(m.commits == 3 for m in machines)
+
+
+def test_the_clock_is_the_lowest_training_ranks():
+    slots = ControlSlots(3)
+    parts = [slots.encode(r, loss=None, busy=0.0, control=r == 0, elapsed=[0.0, 7.0, 7.5][r],
+                          plan_t=[0.0, 1.0, 1.5][r]) for r in (1, 2)]   # rank 0: joined
+    reading = slots.decode(sum(parts))
+    assert reading.present == 2 and (reading.now, reading.plan_t) == (7.0, 1.0)
+    machine = StageMachine(3, StageConfig())
+    decide(machine, reading)
+    assert machine.transitions[-1].at_s == 7.0
 
 
 def test_control_slots_skip_non_finite_losses():

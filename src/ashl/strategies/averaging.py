@@ -57,7 +57,8 @@ from ..stages import Stage, StageConfig, StageMachine
 from .base import Strategy
 from .control import LEFT_EARLY, ControlSlots, decide, idle_seconds, last_decisions
 from .model_state import verify_same_model
-from .runtime import horovod, horovod_join, horovod_staging, world_comm
+from .join import horovod_join
+from .runtime import horovod, horovod_staging, world_comm
 
 log = logging.getLogger("ashl")
 

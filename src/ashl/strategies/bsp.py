@@ -66,7 +66,8 @@ from ..emulation import BACKWARD_SHARE
 from ..stages import Stage, StageConfig, StageMachine
 from .base import Strategy
 from .control import LEFT_EARLY, ControlSlots, decide, last_decisions
-from .runtime import horovod, horovod_join, horovod_staging, world_comm
+from .join import horovod_join
+from .runtime import horovod, horovod_staging, world_comm
 
 _CONTROL_NAME = "ashl.bsp.control"
 _FINAL_NAME = "ashl.bsp.final"

@@ -8,11 +8,12 @@ Slots (``ControlSlots.count`` floats):
     LOSS[r], HAS_LOSS[r]   rank r's running loss (RunningLoss.commit()) and a presence flag
     BUSY[r]                rank r's seconds of work since its previous exchange (the idle
                            estimate; not a decision input)
-    ELAPSED, PLAN_T        the control rank's seconds since the strategy started / when the
-                           plan was made (the run's clock)
-    ACC, HAS_ACC           the control rank's latest evaluation accuracy, new this round
-    PRESENT                1 from every rank still training (a rank that left early is in
+    ELAPSED[r], PLAN_T[r]  rank r's seconds since its strategy started / when its plan was
+                           made; the run's clock is that of the lowest rank still training
+                           (the control rank's, unless it left early)
+    PRESENT[r]             1 from rank r while it trains (a rank that left early is in
                            ``hvd.join()``, which contributes zeros)
+    ACC, HAS_ACC           the control rank's latest evaluation accuracy, new this round
     EPOCH_DONE             1 from every rank whose pass over its data has ended (the epoch
                            join of the averaging strategies)
 
@@ -51,34 +52,36 @@ class ControlReading:
 class ControlSlots:
     """The layout of the control slots of a `size`-rank run."""
 
+    PER_RANK = 6        # LOSS, HAS_LOSS, BUSY, ELAPSED, PLAN_T, PRESENT
+
     def __init__(self, size: int):
         self.size = size
-        self.count = 3 * size + 6
+        self.count = self.PER_RANK * size + 3
 
     def encode(self, rank: int, *, loss: Optional[float], busy: float, control: bool,
                elapsed: float = 0.0, plan_t: float = 0.0, accuracy: Optional[float] = None,
                present: bool = True, epoch_done: bool = False) -> torch.Tensor:
-        """This rank's contribution (float64; the control rank's clock and accuracy only
-        when `control`)."""
+        """This rank's contribution (float64; the accuracy only from the control rank)."""
         n, v = self.size, torch.zeros(self.count, dtype=torch.float64)
         if loss is not None and math.isfinite(loss):
             v[rank], v[n + rank] = loss, 1.0
         v[2 * n + rank] = busy
-        if control:
-            v[3 * n], v[3 * n + 1] = elapsed, plan_t
-            if accuracy is not None:
-                v[3 * n + 2], v[3 * n + 3] = accuracy, 1.0
-        v[3 * n + 4] = 1.0 if present else 0.0
-        v[3 * n + 5] = 1.0 if epoch_done else 0.0
+        v[3 * n + rank], v[4 * n + rank] = elapsed, plan_t
+        v[5 * n + rank] = 1.0 if present else 0.0
+        if control and accuracy is not None:
+            v[6 * n], v[6 * n + 1] = accuracy, 1.0
+        v[6 * n + 2] = 1.0 if epoch_done else 0.0
         return v
 
     def decode(self, summed: torch.Tensor) -> ControlReading:
         n, v = self.size, summed.to(torch.float64).tolist()
+        present = [r for r in range(n) if v[5 * n + r] > 0]
+        clock = present[0] if present else 0
         return ControlReading(
             losses=tuple(v[r] if v[n + r] > 0 else None for r in range(n)),
-            busy=tuple(v[2 * n:3 * n]), now=v[3 * n], plan_t=v[3 * n + 1],
-            accuracy=v[3 * n + 2] if v[3 * n + 3] > 0 else None,
-            present=int(round(v[3 * n + 4])), epoch_done=int(round(v[3 * n + 5])))
+            busy=tuple(v[2 * n:3 * n]), now=v[3 * n + clock], plan_t=v[4 * n + clock],
+            accuracy=v[6 * n] if v[6 * n + 1] > 0 else None,
+            present=len(present), epoch_done=int(round(v[6 * n + 2])))
 
 
 def decide(machine: StageMachine, reading: ControlReading, commits_per_rank: int = 1,

@@ -43,7 +43,8 @@ from ..transport import ZmqRankEnd, advertised_hosts, open_ends
 from . import DEFAULT_TRANSPORT, transport_problem
 from .base import Strategy
 from .model_state import verify_same_model
-from .runtime import join_the_scripts_horovod, world_comm
+from .join import join_the_scripts_horovod
+from .runtime import world_comm
 
 log = logging.getLogger("ashl")
 

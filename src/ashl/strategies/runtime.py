@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 
 __all__ = ["mpi_world", "world_comm", "horovod", "horovod_gpu_operations", "horovod_reduces_on",
-           "horovod_staging", "horovod_join", "join_the_scripts_horovod"]
+           "horovod_staging"]
 
 log = logging.getLogger("ashl")
 _said_staged: set = set()
@@ -86,22 +85,3 @@ def horovod_staging(hvd, device, strategy: str):
     from ..staging import WireStaging
     on_device = horovod_reduces_on(hvd, device, strategy)
     return WireStaging(device, staged=None if device.type == "cpu" else not on_device)
-
-
-def horovod_join(hvd, staging) -> None:
-    """``hvd.join()`` for a strategy whose rounds are Horovod allreduces: the zeros it adds
-    to the others' rounds meanwhile are made where those rounds reduce (a tensor's CUDA
-    device, unless they are staged through host memory)."""
-    device = staging.device
-    hvd.join(device.index if device.type == "cuda" and not staging.staged else -1)
-
-
-def join_the_scripts_horovod() -> None:
-    """Where a script runs Horovod beside a strategy that does not use it (the parameter-server
-    ones), every rank meets in ``hvd.join()`` before the run's last collectives. A rank that
-    left its loop early then completes the others' allreduces of the script's own (an epoch's
-    metrics) with zeros, as Horovod's recipe for uneven data does, instead of leaving them
-    waiting for ever; with every rank on time it returns at once."""
-    hvd = sys.modules.get("horovod.torch")
-    if hvd is not None and hvd.is_initialized():
-        hvd.join()

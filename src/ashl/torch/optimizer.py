@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 from collections import Counter
 from typing import Optional
 
 import torch
 
 from ..strategies import FAULT_TOLERANT, OVERLAPPING, PARAMETER_SERVER, make_strategy
+from ..strategies.join import wrap_scripts_join
 from ..strategies.model_state import store_flat
 from .exit import end_failed_start, leave_at_exit
 from .horovod_keywords import HorovodKeywords
@@ -273,8 +275,16 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     engine.optimizer = wrapped
     engine.backward_passes_per_step = backward_passes_per_step
     engine.sparse_as_dense = sparse_as_dense
+    _wrap_the_scripts_join()
     leave_at_exit(wrapped)
     return wrapped
+
+
+def _wrap_the_scripts_join() -> None:
+    """The script's hvd.join() must be told apart from finish()'s (strategies/join.py)."""
+    hvd = sys.modules.get("horovod.torch")
+    if hvd is not None and hvd.is_initialized():
+        wrap_scripts_join(hvd)
 
 
 def _store_flat(model, params, strategy: str, flat_storage: Optional[bool]) -> None:
