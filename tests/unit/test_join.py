@@ -31,16 +31,21 @@ def test_a_scripts_join_does_not_release_a_rank_that_has_finished():
     assert FakeWorld(3).run(rank_fn, timeout=20) == ["finished", 3.0, 3.0]
 
 
-def test_every_rank_finishing_at_once_joins_once():
-    calls = []
+def test_every_rank_finishing_at_once_joins_and_counts_once_per_join():
+    joins, counts = [], []
 
     def rank_fn(comm, hvd):
-        joined = hvd.join
+        joined, allreduce_ = hvd.join, hvd.allreduce_
 
-        def counted(device=-1):
-            calls.append(hvd.rank())
+        def counted_join(device=-1):
+            joins.append(hvd.rank())
             return joined(device)
-        hvd.join = counted
+
+        def counted_allreduce_(tensor, op=hvd.Sum, name=None):
+            if name == "ashl.join.finishing":
+                counts.append(hvd.rank())
+            return allreduce_(tensor, op=op, name=name)
+        hvd.join, hvd.allreduce_ = counted_join, counted_allreduce_
         wrap_scripts_join(hvd)
         wrap_scripts_join(hvd)            # idempotent: one count per join
         hvd.join()
@@ -48,4 +53,4 @@ def test_every_rank_finishing_at_once_joins_once():
         return metrics(hvd, 1)            # the ranks' collectives still line up after it
 
     assert FakeWorld(3).run(rank_fn, timeout=20) == [3.0, 3.0, 3.0]
-    assert sorted(calls) == [0, 0, 1, 1, 2, 2]
+    assert sorted(joins) == sorted(counts) == [0, 0, 1, 1, 2, 2]

@@ -432,6 +432,18 @@ def test_the_clock_is_the_lowest_training_ranks():
     assert machine.transitions[-1].at_s == 7.0
 
 
+def test_the_clock_never_runs_back_when_its_rank_changes():
+    slots = ControlSlots(2)
+
+    def reading(*elapsed):      # (rank, its clock) of the ranks still training
+        return slots.decode(sum(slots.encode(r, loss=None, busy=0.0, control=r == 0,
+                                             elapsed=t, plan_t=t) for r, t in elapsed))
+    machine = StageMachine(2, StageConfig())
+    decide(machine, reading((0, 8.0), (1, 7.5)))     # training begins on rank 0's clock
+    decide(machine, reading((1, 7.6)))               # rank 0 left; rank 1's clock lags
+    assert [t.at_s for t in machine.transitions] == [8.0, 8.0]
+
+
 def test_control_slots_skip_non_finite_losses():
     reading = ControlSlots(2).decode(ControlSlots(2).encode(1, loss=math.nan, busy=0.0,
                                                             control=False))

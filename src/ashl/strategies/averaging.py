@@ -88,7 +88,7 @@ class ModelAveragingStrategy(Strategy):
         self.hvd = horovod(self.name, world) if hvd is None else hvd
         # Horovod without GPU operations: a CUDA model's allreduce goes through host memory
         self.staging = horovod_staging(self.hvd, self.device, self.name)
-        self.t0 = time.monotonic()           # the control rank's copy is the run's clock
+        self.t0 = time.monotonic()     # the lowest training rank's copy is the run's clock
         self.mc = MPICoordinator(world, root=0, planner_config=planner_config,
                                  stage_config=stage_config, drift_config=drift_config)
         self._machine = StageMachine(self.size, self.stage_config, start_time=0.0)

@@ -10,8 +10,8 @@ only watches: it counts steps, emulates heterogeneity, evaluates and decides whe
 Every step is one commit (one synchronous gradient exchange).
 
 Stopping together. Every ``control_every`` steps (default 1: it is a few floats), after the
-local update, every rank adds its control slots (control.py: losses, rank 0's clock and its
-evaluation of the model just updated, PRESENT) to a small float64 ``hvd.allreduce_``, and
+local update, every rank adds its control slots (control.py: losses, clocks, PRESENT, and
+rank 0's evaluation of the model just updated) to a small float64 ``hvd.allreduce_``, and
 every rank feeds them, in the same order, to its own StageMachine (``control.decide``; one
 stage, no switch), so all ranks stop after the same step: target accuracy (the final model is the one
 rank 0 evaluated; one evaluated in the background is taken at a later control round and its

@@ -90,6 +90,8 @@ def decide(machine: StageMachine, reading: ControlReading, commits_per_rank: int
     commits count (commit budgets are rounds x size), an accuracy is an evaluation, a rank
     that left stops the run, and the clock checks the time budgets."""
     now = reading.now
+    if machine.transitions:   # the clock's rank changed (rank 0 left): it may lag a little
+        now = max(now, machine.start_time + machine.transitions[-1].at_s)
     if machine.stage is Stage.PROFILE:
         machine.begin_training(reading.plan_t, reason=training_reason)
     for rank, loss in enumerate(reading.losses):

@@ -10,9 +10,9 @@ with their script; both wait for ever.
 
 So every join on a rank that runs ashl is followed by one allreduce that counts the ranks
 that called it from ``finish()``: the script's ``hvd.join`` is wrapped (``wrap_scripts_join``,
-when the first optimizer is built, on every rank alike), and ``finish()`` joins again until
-every rank is finishing. Every rank leaves a join at the same moment, so every rank takes
-part in the count that follows it.
+when the first optimizer is built, on every rank alike, before or after ``hvd.init()``),
+and ``finish()`` joins again until every rank is finishing. Every rank leaves a join at the
+same moment, so every rank takes part in the count that follows it.
 """
 from __future__ import annotations
 
@@ -29,8 +29,9 @@ _COUNT_NAME = "ashl.join.finishing"
 
 def wrap_scripts_join(hvd) -> None:
     """Make ``hvd.join`` (the module's, which a script calls) count the finishing ranks after
-    it returns, as finish()'s joins do. Idempotent."""
-    if hasattr(hvd.join, "__wrapped__"):
+    it returns, as finish()'s joins do. Idempotent. (A reference the script took before,
+    ``from horovod.torch import join``, is not wrapped: its joins are not counted.)"""
+    if getattr(hvd.join, _JOIN, None) is not None:
         return
     joined = hvd.join
 
@@ -40,12 +41,16 @@ def wrap_scripts_join(hvd) -> None:
         _finishing_ranks(hvd, finishing=False)
         return last
 
+    setattr(join, _JOIN, joined)
     hvd.join = join
+
+
+_JOIN = "_ashl_uncounted_join"      # on the wrapper: the join it wraps
 
 
 def join_until_every_rank_finishes(hvd, device: int = -1) -> None:
     """``hvd.join()`` until every rank has joined from finish(), not from its script."""
-    joined = getattr(hvd.join, "__wrapped__", hvd.join)
+    joined = getattr(hvd.join, _JOIN, None) or hvd.join
     while True:
         joined(device)
         if _finishing_ranks(hvd, finishing=True) == hvd.size():
@@ -53,7 +58,7 @@ def join_until_every_rank_finishes(hvd, device: int = -1) -> None:
 
 
 def _finishing_ranks(hvd, finishing: bool) -> int:
-    count = torch.tensor([1.0 if finishing else 0.0])
+    count = torch.tensor([1.0 if finishing else 0.0], dtype=torch.float32, device="cpu")
     hvd.allreduce_(count, op=hvd.Sum, name=_COUNT_NAME)
     return round(float(count[0]))
 

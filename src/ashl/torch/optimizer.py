@@ -281,9 +281,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
 
 
 def _wrap_the_scripts_join() -> None:
-    """The script's hvd.join() must be told apart from finish()'s (strategies/join.py)."""
+    """The script's hvd.join() must be told apart from finish()'s (strategies/join.py);
+    before hvd.init() too (a parameter-server strategy does not need Horovod at the start)."""
     hvd = sys.modules.get("horovod.torch")
-    if hvd is not None and hvd.is_initialized():
+    if hvd is not None:
         wrap_scripts_join(hvd)
 
 
