@@ -25,6 +25,7 @@ __all__ = ["wrap_scripts_join", "join_until_every_rank_finishes", "horovod_join"
            "join_the_scripts_horovod"]
 
 _COUNT_NAME = "ashl.join.finishing"
+_JOIN = "_ashl_uncounted_join"      # on the wrapper: the join it wraps
 
 
 def wrap_scripts_join(hvd) -> None:
@@ -43,9 +44,6 @@ def wrap_scripts_join(hvd) -> None:
 
     setattr(join, _JOIN, joined)
     hvd.join = join
-
-
-_JOIN = "_ashl_uncounted_join"      # on the wrapper: the join it wraps
 
 
 def join_until_every_rank_finishes(hvd, device: int = -1) -> None:
