@@ -583,17 +583,27 @@ def within_budget(compute: Sequence[float], comm: Sequence[float], bottleneck: i
 
 
 def _dense_fits(profiles, compute, pull, k_max, r0, cap, config) -> bool:
-    """Do dense commits fit the communication budget, as often as top-k ones would?"""
-    if config.comm_budget is None:
+    """Do dense commits fit the communication budget, as often as top-k ones would: no
+    more of the bottleneck's steps apart (k), and no longer apart in time than the budget
+    allows? (With overlap a link-bound round gives the bottleneck more than k steps: dense
+    commits can then come less often than top-k ones at the same k.)"""
+    budget = config.comm_budget
+    if budget is None:
         return False
     overlap = config.overlap
+
+    def plan(comm):
+        k, b, steps = bottleneck_steps(compute, comm, k_max, budget, config.rounding, cap,
+                                       overlap, config.floor_tolerance)
+        longest = max(round_seconds(h, c, cm, overlap) for h, c, cm in zip(steps, compute, comm))
+        return k, b, steps, longest
+
     dense = [push_seconds(p, 1.0, config) + d for p, d in zip(profiles, pull)]
-    k, b, steps = bottleneck_steps(compute, dense, k_max, config.comm_budget, config.rounding,
-                                   cap, overlap, config.floor_tolerance)
     sparse = [push_seconds(p, r0, config) + d + float(p.compress_s) for p, d in zip(profiles, pull)]
-    k_sparse = bottleneck_steps(compute, sparse, k_max, config.comm_budget, config.rounding,
-                                cap, overlap, config.floor_tolerance)[0]
-    return k <= k_sparse and within_budget(compute, dense, b, steps, config.comm_budget, overlap)
+    k, b, steps, round_dense = plan(dense)
+    k_sparse, _, _, round_sparse = plan(sparse)
+    return (k <= k_sparse and within_budget(compute, dense, b, steps, budget, overlap)
+            and round_dense <= round_sparse * (1 + config.floor_tolerance) / (1 - budget))
 
 
 def plan_stage(profiles: Sequence[RankProfile], config: PlannerConfig, stage: str,

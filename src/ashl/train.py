@@ -32,8 +32,8 @@ DIR/ckpt.pt and DIR/ckpt.pt.rank<r> every ``--checkpoint-every`` seconds and at 
 ``--device`` (default auto) puts each rank's model and batches on ``cuda:<local rank>`` when
 its host has a GPU (ranks beyond the host's GPUs share them round-robin), else on the CPU
 (ashl.device). A parameter-server strategy saves on each rank's own clock (its
-save is not collective); localsgd and diloco save at an epoch end, on every rank when rank 0's
-clock says so, so that every rank's part is of the same round.
+save is not collective); localsgd, diloco and ashl-sync save at an epoch end, on every rank
+when rank 0's clock says so, so that every rank's part is of the same round.
 
 Options are checked before MPI starts where possible; a bad one ends the run with one line
 ``ashl.train: error: ...`` naming it, and exit status 2.

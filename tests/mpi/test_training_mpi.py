@@ -94,7 +94,7 @@ def test_every_epoch_is_one_permutation_of_the_data_while_the_plan_changes(tmp_p
     assert len(last[1]) < len(last[0])
 
 
-@pytest.mark.parametrize("strategy", ["ashl", "localsgd", "diloco"])
+@pytest.mark.parametrize("strategy", ["ashl", "localsgd", "diloco", "ashl-sync"])
 def test_a_checkpoint_loaded_on_rank_0_alone_is_refused_on_every_rank(tmp_path, strategy):
     """Horovod's recipe (rank 0 loads, then broadcasts) applied to ashl's checkpoint left
     rank 0 in the resume's barrier and the others profiling, for ever (ashl), or the other

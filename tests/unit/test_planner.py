@@ -1,5 +1,6 @@
 """ashl.planner: unit tests, the reference's worked example, and hypothesis properties."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -7,11 +8,12 @@ from fractions import Fraction
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
+from unittest import mock
 
 from ashl.planner import (bottleneck_steps, rank_steps, AHL, SHL, Plan, PlannerConfig, RankProfile, largest_remainder,
-                          load_profile_document, make_plan, payload_fraction,
+                          load_profile_document, make_plan, payload_fraction, plan_stage,
                           profiles_from_columns, push_seconds, round_local_steps)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -390,6 +392,44 @@ def test_shl_goes_dense_only_where_that_costs_no_commits():
     profiles = [RankProfile(compute_s=0.01, push_s=0.0015, pull_s=1e-5) for _ in range(3)]
     plan = make_plan(profiles, PlannerConfig(shl_target_ratio=0.1))
     assert plan.shl.k == 1 and plan.shl.ratios == (0.1, 0.1, 0.1)
+
+
+cheap_links = st.floats(min_value=1e-5, max_value=0.05)
+
+
+@settings(max_examples=500, deadline=None)
+@given(rank_profiles(), configs, st.sampled_from([0.5, 0.1, 0.01]),
+       st.sampled_from([0.05, 0.1, 0.3]), st.booleans(), st.data())
+def test_going_dense_keeps_the_round_within_the_budget_of_top_k(profiles, config, ratio,
+                                                                 budget, overlap, data):
+    # Dense commits never come less often than the budget allows against top-k ones.
+    # Without overlap that follows from the bottleneck's budget (its round is at most
+    # k of its steps / (1 - budget), top-k's at least k of them); with overlap a link-bound
+    # dense round gives the bottleneck more than k steps, and the planner must compare
+    # the rounds themselves (one rank, c = u = d = 1 s: dense H = 2 in 2 s, top-k 1 in 1.2 s).
+    if data.draw(st.booleans()):     # draw cheap links too: dense is planned more often
+        profiles = [dataclasses.replace(p, push_s=data.draw(cheap_links),
+                                        pull_s=data.draw(cheap_links)) for p in profiles]
+    config = dataclasses.replace(config, shl_target_ratio=ratio, comm_budget=budget,
+                                 overlap=overlap)
+    dense = plan_stage(profiles, config, SHL)
+    event(f"dense={dense.target_ratio == 1.0}")
+    if dense.target_ratio < 1.0:
+        return
+    with mock.patch("ashl.planner._dense_fits", return_value=False):
+        sparse = plan_stage(profiles, config, SHL)
+    assert sparse.target_ratio < 1.0 and sparse.k >= dense.k
+    slack = (1 + config.floor_tolerance) / (1 - config.comm_budget)
+    assert dense.round_s <= sparse.round_s * slack * (1 + 1e-9)
+
+
+def test_a_link_bound_dense_round_that_commits_less_often_stays_top_k():
+    # the example above: dense commits would come every 2 s, top-k ones every 1.2 s
+    one = [RankProfile(compute_s=1.0, push_s=1.0, pull_s=1.0)]
+    config = PlannerConfig(k_shl=1, shl_target_ratio=0.1, overlap=True)
+    shl = plan_stage(one, config, SHL)
+    assert shl.target_ratio == 0.1 and shl.local_steps == (1,) and shl.round_s < 1.3
+    assert plan_stage(one, dataclasses.replace(config, overlap=False), SHL).target_ratio == 0.1
 
 
 # --------------------------------------------------------------------------- DyLU

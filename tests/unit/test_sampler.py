@@ -194,6 +194,32 @@ def test_explicit_epoch_keeps_ranks_consistent():
     assert ss[1].counts(7) == (36, 36, 18) and ss[1].counts(5) == (45, 23, 22)
 
 
+def test_shares_come_late_only_when_they_change_a_pass_already_read():
+    s = HeterogeneousSampler(range(90), 3, 0)
+    s.set_epoch(4)
+    assert not s.comes_late([0.5, 0.25, 0.25], 4)      # epoch 4 not begun yet
+    list(s)                                            # reading epoch 4 with 30 each
+    assert s.comes_late([0.5, 0.25, 0.25], 4)
+    assert not s.comes_late([Fraction(1, 3)] * 3, 4)   # the same counts: nothing changes
+    assert not s.comes_late([0.5, 0.25, 0.25], 5)
+    s.set_shares([0.5, 0.25, 0.25], epoch=5)
+    s.set_epoch(7)                                     # epochs 5 and 6 skipped, never read
+    assert not s.comes_late([0.2, 0.2, 0.6], 5)
+    list(s)
+    assert s.comes_late([0.2, 0.2, 0.6], 5) and not s.comes_late([0.5, 0.25, 0.25], 5)
+    s.set_shares([0.2, 0.2, 0.6])     # read again in the same epoch, with other counts
+    list(s)
+    assert s.comes_late([0.2, 0.2, 0.6], 7) and s.comes_late([0.5, 0.25, 0.25], 7)
+
+
+def test_a_replacement_forgets_the_passes_it_read_alone():
+    s = HeterogeneousSampler(range(90), 1, 0)
+    s.set_epoch(3)
+    list(s)                                            # alone: (90,)
+    s.rebind(1, 3)                                     # takes a lost rank's slot
+    assert not s.comes_late([Fraction(1, 3)] * 3, 3)
+
+
 def test_dataloader_reads_its_share():
     ds = TensorDataset(torch.arange(40).float())
     s = HeterogeneousSampler(ds, 2, 1, shares=[0.75, 0.25], seed=3)

@@ -475,3 +475,142 @@ def test_bsp_runs_its_emulated_link_beside_the_backward_pass(monkeypatch, passes
     FakeWorld(1).run(rank_fn)
     backward = 2 / 3 * 0.4 / passes
     assert waits == [pytest.approx(transfer_s - backward, abs=1e-3)] * 3
+
+
+def test_only_shares_that_change_a_pass_already_read_count_as_late(caplog):
+    # a re-plan's shares reach a rank in an epoch it has begun: harmless when they give the
+    # counts it reads anyway (a re-plan that kept them), a warning when they change them
+    from types import SimpleNamespace
+
+    from ashl.planner import RankProfile, make_plan
+    from ashl.strategies.parameter_server import ServerStrategy
+
+    sampler = ashl.HeterogeneousSampler(range(90), 3, 0)
+    sampler.set_epoch(4)
+    list(sampler)
+    equal = make_plan([RankProfile(compute_s=0.01, push_s=1e-5, pull_s=1e-5)] * 3)
+    engine = SimpleNamespace(plan=equal, sampler=sampler, shares_epoch=4, stage=Stage.AHL,
+                             rank=0, late_shares=0)
+    ServerStrategy._give_shares(engine)
+    assert engine.late_shares == 0 and "already begun" not in caplog.text
+    engine.plan = make_plan([RankProfile(compute_s=c, push_s=1e-5, pull_s=1e-5)
+                             for c in (0.01, 0.02, 0.04)])
+    ServerStrategy._give_shares(engine)
+    assert engine.late_shares == 1 and "already begun" in caplog.text
+    assert sampler.counts(4) != sampler.counts(3) == (30, 30, 30)
+
+
+@pytest.mark.filterwarnings("ignore:strategy 'ashl-sync' sizes")
+def test_ashl_sync_resumes_from_its_checkpoint_with_its_plan_and_stage(tmp_path):
+    """Saved after its run ended (as ashl.train's last save), an ashl-sync run resumes on
+    every rank from the saved model, in the saved stage, with the saved plan: no profiling
+    round, and the counters go on from the saved ones."""
+    path = str(tmp_path / "ckpt.pt")
+
+    from ashl.emulation import Heterogeneity
+
+    def first(comm, hvd):
+        model, x, y = model_and_data(comm.Get_rank())
+        slow = Heterogeneity((1, 1, 3)[comm.Get_rank()], step_s=0.003)   # uneven shares
+        opt = wrapped("ashl-sync", comm, hvd, model, profile_steps=3, eval_every_s=0,
+                      stage_config=StageConfig(max_commits=12), heterogeneity=slow)
+        result = train(opt, model, x, y)
+        opt.save_checkpoint(path)
+        return result
+
+    def second(comm, hvd):
+        model, x, y = model_and_data(comm.Get_rank(), seed=1)    # another initial model
+        sampler = ashl.HeterogeneousSampler(range(90), 3, comm.Get_rank())
+        opt = wrapped("ashl-sync", comm, hvd, model, profile_steps=3, eval_every_s=0,
+                      stage_config=StageConfig(max_commits=6), sampler=sampler)
+        opt.load_checkpoint(path)
+        loaded = torch.cat([t.detach().reshape(-1) for t in model.state_dict().values()
+                            if t.is_floating_point()])
+        counts = sampler.counts()
+        return dict(train(opt, model, x, y), loaded=loaded, counts=counts)
+
+    saved = FakeWorld(3).run(first)
+    resumed = FakeWorld(3).run(second)
+    # the loaded epoch reads with the saved stage's shares, before the loop's first pass
+    stage = [t["from"] for t in saved[0]["transitions"] if t["to"] == "DONE"][0]
+    shares = list(saved[0]["plan"].stage(stage).shares)
+    assert resumed[0]["counts"] == ashl.HeterogeneousSampler(range(90), 3, 0,
+                                                             shares=shares).counts()
+    assert resumed[0]["counts"] != (30, 30, 30)
+    for before, after in zip(saved, resumed):
+        assert torch.equal(after["loaded"], saved[0]["flat"])    # the saved global model
+        assert after["plan"] == saved[0]["plan"]                 # not profiled again
+        assert after["transitions"][0]["from"] == "PROFILE"
+        assert after["transitions"][0]["reason"] == "resumed from a checkpoint"
+        assert after["transitions"][0]["commits"] == 0
+        assert after["counters"]["commits"] == before["counters"]["commits"] + 2
+        assert after["counters"]["local_steps"] > before["counters"]["local_steps"]
+    # its stage is the one the first run ended in
+    last_training = [t["from"] for t in saved[0]["transitions"] if t["to"] == "DONE"][0]
+    assert resumed[0]["transitions"][-2]["to"] == last_training
+
+
+@pytest.mark.filterwarnings("ignore:strategy 'ashl-sync' sizes")
+def test_an_ashl_sync_checkpoint_whose_plan_does_not_fit_is_refused(tmp_path):
+    from ashl import checkpoint
+    path = str(tmp_path / "ckpt.pt")
+
+    def rank_fn(comm, hvd):
+        model, x, y = model_and_data(0)
+        opt = wrapped("ashl-sync", comm, hvd, model, profile_steps=3, eval_every_s=0,
+                      stage_config=StageConfig(max_commits=2))
+        train(opt, model, x, y)
+        opt.save_checkpoint(path)
+        run = checkpoint.load(path)
+        run["stage"] = "PROFILE"
+        checkpoint.atomic_save(run, path)
+        fresh = wrapped("ashl-sync", comm, hvd, model_and_data(0)[0], profile_steps=3)
+        with pytest.raises(ValueError, match="in stage PROFILE; this job has 1 ranks"):
+            fresh.load_checkpoint(path)
+        del run["plan"]
+        checkpoint.atomic_save(run, path)
+        with pytest.raises(ValueError, match="its plan or stage cannot be read"):
+            fresh.load_checkpoint(path)
+        fresh.finish()
+        return True
+
+    assert FakeWorld(1).run(rank_fn) == [True]
+
+
+@pytest.mark.filterwarnings("ignore:strategy 'ashl' sizes")
+def test_a_parameter_server_checkpoint_gives_the_sampler_its_saved_shares_at_the_load(tmp_path):
+    """The resumed epoch reads with the saved plan's shares, not the equal shares a sampler
+    starts with until the first step adopts the plan (the batches a rank skips in that
+    epoch were counted in the saved shares)."""
+    from ashl.emulation import Heterogeneity
+    path = str(tmp_path / "ckpt.pt")
+
+    def first(comm, hvd):
+        model, x, y = model_and_data(comm.Get_rank())
+        slow = Heterogeneity((1, 3)[comm.Get_rank()], step_s=0.003)
+        opt = ashl.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.05), model=model, comm=comm,
+            profile_steps=3, eval_every_s=0, stage_config=StageConfig(max_commits=8),
+            heterogeneity=slow)
+        result = train(opt, model, x, y)
+        opt.save_checkpoint(path)
+        return result
+
+    def second(comm, hvd):
+        model, x, y = model_and_data(comm.Get_rank())
+        sampler = ashl.HeterogeneousSampler(range(90), 2, comm.Get_rank())
+        opt = ashl.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.05), model=model, comm=comm,
+            profile_steps=3, eval_every_s=0, stage_config=StageConfig(max_commits=4),
+            sampler=sampler)
+        opt.load_checkpoint(path)
+        counts = sampler.counts()
+        train(opt, model, x, y)
+        return counts
+
+    saved = FakeWorld(2).run(first)
+    counts = FakeWorld(2).run(second)
+    stage = [t["from"] for t in saved[0]["transitions"] if t["to"] == "DONE"][0]
+    shares = list(saved[0]["plan"].stage(stage).shares)
+    expected = ashl.HeterogeneousSampler(range(90), 2, 0, shares=shares).counts()
+    assert counts == [expected, expected] and expected != (45, 45)

@@ -467,22 +467,9 @@ def run_benchmark(device: str = "cpu", repeat: Optional[int] = None, warmup: int
     before = copy_bandwidth(dev, bw_numel, repeat=bw_repeat)
     log(f"copy bandwidth: {before / 1e9:.1f} GB/s ({bw_numel * 4 >> 20} MiB buffers)")
 
-    all_shapes = model_shapes(quick)
-    cases_out = []
-    for li, name in enumerate(lists):
-        L = ListData(name, all_shapes[name], dev, seed + li, storage)
-        for op in ops:
-            case = build_case(op, L, K, sparse_ratio)
-            check_case(case)
-            fns = {k: f for k, f in case.fns.items() if f is not None}
-            t = time_variants(fns, repeat, warmup, dev)
-            row = make_row(case, t, before, len(L.shapes))
-            cases_out.append(row)
-            log(format_row(row))
-            del case, fns
-        del L
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
+    cases_out = _time_cases(dev, lists, ops, K, shapes=model_shapes(quick), seed=seed,
+                            storage=storage, sparse_ratio=sparse_ratio, repeat=repeat,
+                            warmup=warmup, bandwidth_before=before, log=log)
     # Measured again at the end: fractions use the better reading, so a busy moment does not
     # inflate them, and readings far apart mark the whole run unreliable.
     after = copy_bandwidth(dev, bw_numel, repeat=bw_repeat)
@@ -510,6 +497,27 @@ def run_benchmark(device: str = "cpu", repeat: Optional[int] = None, warmup: int
         "bytes_per_gb": 1e9,
         "cases": cases_out,
     }
+
+
+def _time_cases(dev, lists, ops, K, *, shapes, seed, storage, sparse_ratio, repeat, warmup,
+                bandwidth_before, log) -> list[dict]:
+    """One row per (tensor list, op): every variant checked against ashl's, then timed."""
+    rows = []
+    for li, name in enumerate(lists):
+        L = ListData(name, shapes[name], dev, seed + li, storage)
+        for op in ops:
+            case = build_case(op, L, K, sparse_ratio)
+            check_case(case)
+            fns = {k: f for k, f in case.fns.items() if f is not None}
+            t = time_variants(fns, repeat, warmup, dev)
+            row = make_row(case, t, bandwidth_before, len(L.shapes))
+            rows.append(row)
+            log(format_row(row))
+            del case, fns
+        del L
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
 
 
 def check_case(case: Case) -> None:

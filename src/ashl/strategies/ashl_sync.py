@@ -9,11 +9,15 @@ Differences from strategy "ashl":
     but ignored; the first plan holds for the whole run.
   * The profiling round (``profile_steps`` equal steps on equal shares) is merged with
     uniform weights 1/size, because every rank did the same work in it.
+  * Checkpoints as localsgd's (averaging.py), with the plan and the stage: a resumed run
+    goes on in its stage with its plan, without profiling again.
 """
 from __future__ import annotations
 
 import time
+from typing import Optional
 
+from ..planner import Plan
 from ..stages import Stage
 from .averaging import ModelAveragingStrategy
 
@@ -22,6 +26,7 @@ class AshlSyncStrategy(ModelAveragingStrategy):
     name = "ashl-sync"
 
     profiled = True
+    _resumed: Optional[tuple[Plan, Stage]] = None   # a checkpoint's plan and stage, loaded
 
     def merge_weight(self, stage: Stage) -> float:
         if stage is Stage.PROFILE:
@@ -36,3 +41,39 @@ class AshlSyncStrategy(ModelAveragingStrategy):
         plan = self.mc.establish_plan(profile)
         self.plan_t = time.monotonic() - self.t0
         self.adopt_plan(plan)
+
+    # --------------------------------------------------------------------- checkpoints
+    def _run_record(self) -> dict:
+        if self.plan is None:
+            raise RuntimeError("nothing to checkpoint before profiling has produced a plan")
+        stage = self.stage if self.stage.training else next(   # ended: resume where it ended
+            (t.from_stage for t in reversed(self._machine.transitions) if t.from_stage.training),
+            Stage.AHL)
+        return {"plan": self.plan.to_dict(), "stage": stage.value}
+
+    def _check_run_record(self, run: dict, path: str) -> None:
+        try:
+            plan, stage = Plan.from_dict(run["plan"]), Stage(run["stage"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"checkpoint {path}: its plan or stage cannot be read by this "
+                             f"version of ashl ({e}); resume it with the version that saved "
+                             "it") from None
+        if len(plan.profiles) != self.size or not stage.training:
+            raise ValueError(f"checkpoint {path}: a plan for {len(plan.profiles)} ranks in "
+                             f"stage {stage.value}; this job has {self.size} ranks")
+        self._resumed = (plan, stage)
+
+    def load_checkpoint(self, path: str, optimizer) -> None:
+        super().load_checkpoint(path, optimizer)
+        self._give_saved_shares(*self._resumed)
+
+    def _start(self) -> None:
+        super()._start()
+        if self._resumed is None:
+            return
+        # every rank read the same file: the same plan and stage everywhere, no collective
+        (plan, stage), self._resumed = self._resumed, None
+        self.planned = True
+        self.adopt_plan(plan)
+        self._machine.resume(stage, time.monotonic() - self.t0)
+        self._follow_machine(self._machine)

@@ -48,7 +48,7 @@ from typing import Optional
 
 import torch
 
-from .. import kernels
+from .. import checkpoint, kernels
 from ..compression import Payload, check_compression
 from ..coordinator import DriftConfig, MPICoordinator
 from ..outer import PlainMerge, make_outer
@@ -262,6 +262,44 @@ class ModelAveragingStrategy(Strategy):
 
     def _close(self) -> None:
         self.mc.close()
+
+    # --------------------------------------------------------------------- checkpoints
+    def save_checkpoint(self, path: str, optimizer) -> None:
+        """Not collective; call it on every rank at the same point of the loop (after an
+        epoch, where the epoch join has lined them up): rank 0 writes the last merged model,
+        the outer optimizer's state (diloco's momentum) and what the strategy adds (ashl-sync:
+        its plan and stage) to ``path``, every rank its optimizer state and counters to
+        ``path.rank<r>``. Progress since the last round is not saved."""
+        if self.anchors is None:
+            raise RuntimeError("nothing to checkpoint before the first step()")
+        if self.rank == 0:
+            outer = {k: v.cpu() if isinstance(v, torch.Tensor) else v
+                     for k, v in self.outer.state_dict().items()}
+            checkpoint.atomic_save({"format": checkpoint.FORMAT, "strategy": self.name,
+                                    "size": self.size, "numel": self.numel,
+                                    "global_model": self.flat_model(self.anchors).cpu(),
+                                    "outer": outer, **self._run_record()}, path)
+        self._save_own(path, optimizer)
+
+    def load_checkpoint(self, path: str, optimizer) -> None:
+        """Before the first step, on every rank: continue from ``path``. The budgets
+        (max_seconds, max_commits) count from the resume."""
+        if self.started:
+            raise RuntimeError("load_checkpoint must be called before the first step()")
+        run = checkpoint.load(path)
+        checkpoint.check_run(run, path, self.name, self.size, self.numel)
+        self._check_run_record(run, path)
+        self.outer.load_state_dict(run["outer"])     # every rank: the same momentum
+        self._load_own(path, optimizer)
+        kernels.unpack_assign(self.tensors, [t.clone() for t in self.tensors],
+                              run["global_model"].to(self.flat.device))
+
+    def _run_record(self) -> dict:
+        """What the strategy adds to the run's checkpoint file."""
+        return {}
+
+    def _check_run_record(self, run: dict, path: str) -> None:
+        """Read back what _run_record saved, or refuse the file (before anything loads)."""
 
     def counters(self) -> dict:
         c = super().counters()

@@ -274,13 +274,36 @@ class Strategy:
         self.staging = WireStaging(self.device)   # a CUDA model's trips to the wire
         self.sampler = sampler
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self._check_options(control_rank, profile_steps, profile_within_epoch)
+        # the run's last barrier, after every other communicator is freed: ours (whatever
+        # the script does with `comm`) and never freed (MPI_Finalize frees it)
+        self.world = comm.Dup()
+        self.comm = comm.Dup()           # the end's gathers, apart from every exchange
+        self.control_rank = control_rank
+        self.stage_config = StageConfig() if stage_config is None else stage_config
+        self.profile_steps = profile_steps
+        self.profile_barrier = ProfileBarrier(self.comm)
+        # Can an accuracy target be met? Only the control rank must pass evaluate=.
+        self.evaluates = bool(self.comm.bcast(evaluate is not None, root=control_rank))
+        self.evaluations = Evaluations(evaluate if self.rank == control_rank else None,
+                                       eval_every_s)
+        self._init_run_state()
+        # Emulated hardware (tests, benchmarks): explicit, else ASHL_EMULATE_* variables.
+        self.emulated_from_env = heterogeneity is None
+        self.hetero = (heterogeneity if heterogeneity is not None
+                       else Heterogeneity.from_env(self.rank))
+        self.slowdown = self.hetero.slowdown()
+        self._hook_sampler(profile_within_epoch)
+
+    def _check_options(self, control_rank: int, profile_steps, profile_within_epoch) -> None:
+        """The constructor's arguments, checked before any collective (alike on every rank)."""
         if getattr(self, "join", None) is None:   # a replacement's sampler is rebound later
-            check_sampler(sampler, self.rank, self.size)
-        if self.profiled and not hasattr(sampler, "set_shares") and self.rank == control_rank:
+            check_sampler(self.sampler, self.rank, self.size)
+        if self.profiled and not hasattr(self.sampler, "set_shares") and self.rank == control_rank:
             warnings.warn(
                 f"strategy {self.name!r} sizes each rank's data share by its speed, but "
-                + ("no sampler= was given" if sampler is None else
-                   f"sampler= is a {type(sampler).__name__}") + ", not an "
+                + ("no sampler= was given" if self.sampler is None else
+                   f"sampler= is a {type(self.sampler).__name__}") + ", not an "
                 "ashl.HeterogeneousSampler: "
                 "every rank reads its own fixed share, so the faster ranks wait for the "
                 "slowest at the end of each epoch; pass sampler=ashl.HeterogeneousSampler(...)",
@@ -288,21 +311,15 @@ class Strategy:
         if not 0 <= control_rank < self.size:
             raise ValueError(f"the control rank (server_rank) {control_rank} is not a rank "
                              f"of this {self.size}-rank job")
-        # the run's last barrier, after every other communicator is freed: ours (whatever
-        # the script does with `comm`) and never freed (MPI_Finalize frees it)
-        self.world = comm.Dup()
-        self.comm = comm.Dup()           # the end's gathers, apart from every exchange
-        self.control_rank = control_rank
-        self.stage_config = StageConfig() if stage_config is None else stage_config
         if self.profiled and not (isinstance(profile_steps, int) and profile_steps >= 3):
             raise ValueError(f"profile_steps must be an integer >= 3 (one is warm-up), "
                              f"got {profile_steps!r}")
-        self.profile_steps = profile_steps
-        self.profile_barrier = ProfileBarrier(self.comm)
-        # Can an accuracy target be met? Only the control rank must pass evaluate=.
-        self.evaluates = bool(self.comm.bcast(evaluate is not None, root=control_rank))
-        self.evaluations = Evaluations(evaluate if self.rank == control_rank else None,
-                                       eval_every_s)
+        if not isinstance(profile_within_epoch, bool):
+            raise ValueError(f"profile_within_epoch must be True or False, "
+                             f"got {profile_within_epoch!r}")
+
+    def _init_run_state(self) -> None:
+        """Where the run stands (stage, plan, counters, clocks): its start, on every rank."""
         self.stage = Stage.PROFILE
         self.plan: Optional[Plan] = None
         self.planned = False
@@ -329,11 +346,9 @@ class Strategy:
         self.profiler = RankProfiler(name=self.host)
         self.timeline = Timeline(self.rank)
         self._round_wall = time.time()
-        # Emulated hardware (tests, benchmarks): explicit, else ASHL_EMULATE_* variables.
-        self.emulated_from_env = heterogeneity is None
-        self.hetero = (heterogeneity if heterogeneity is not None
-                       else Heterogeneity.from_env(self.rank))
-        self.slowdown = self.hetero.slowdown()
+
+    def _hook_sampler(self, profile_within_epoch: bool) -> None:
+        sampler = self.sampler
         if hasattr(sampler, "on_iteration"):
             # An evaluation between epochs, or waiting there for the other ranks, is not a
             # step's compute: the plan would take this rank for a slow one.
@@ -343,9 +358,6 @@ class Strategy:
         # hvd.allreduce of its metrics) while the others are in the plan's. That needs the
         # sampler to say where a pass ends (with another, every rank profiles in lockstep),
         # unless the script says it calls none (profile_within_epoch=False).
-        if not isinstance(profile_within_epoch, bool):
-            raise ValueError(f"profile_within_epoch must be True or False, "
-                             f"got {profile_within_epoch!r}")
         if self.steps_while_others_profile and profile_within_epoch:
             self.steps_while_others_profile = hasattr(sampler, "on_exhausted")
         if profile_within_epoch and self.first_round_within_pass and hasattr(
@@ -534,6 +546,13 @@ class Strategy:
     def _give_shares(self) -> None:
         if self.plan is not None and hasattr(self.sampler, "set_shares"):
             self.sampler.set_shares(list(self.plan.stage(self.stage.planned).shares))
+
+    def _give_saved_shares(self, plan: Plan, stage: Stage) -> None:
+        """At a checkpoint's load, before the loop's pass begins: the resumed epoch reads
+        with the saved stage's shares, as the saved run did (the batches to skip in it were
+        counted in them), the same on every rank."""
+        if hasattr(self.sampler, "set_shares"):
+            self.sampler.set_shares(list(plan.stage(stage.planned).shares))
 
     def _follow_machine(self, machine: StageMachine) -> None:
         """Adopt what a stage machine fed with this round's numbers decided."""

@@ -24,9 +24,6 @@ from __future__ import annotations
 import dataclasses
 from fractions import Fraction
 
-import torch
-
-from .. import checkpoint, kernels
 from ..planner import check_local_steps, uniform_plan
 from ..stages import Stage, StageConfig
 from .averaging import ModelAveragingStrategy
@@ -60,34 +57,8 @@ class LocalSgdStrategy(ModelAveragingStrategy):
     def plan_reason(self) -> str:
         return f"{self.name}: fixed plan, H={self.H}, model averaging"
 
-    # --------------------------------------------------------------------- checkpoints
-    def save_checkpoint(self, path: str, optimizer) -> None:
-        """Not collective; call it on every rank at the same point of the loop (after an
-        epoch, where the epoch join has lined them up): rank 0 writes the last merged model and
-        the outer optimizer's state (diloco's momentum) to ``path``, every rank its optimizer
-        state and counters to ``path.rank<r>``. Progress since the last round is not saved."""
-        if self.anchors is None:
-            raise RuntimeError("nothing to checkpoint before the first step()")
-        if self.rank == 0:
-            outer = {k: v.cpu() if isinstance(v, torch.Tensor) else v
-                     for k, v in self.outer.state_dict().items()}
-            checkpoint.atomic_save({"format": checkpoint.FORMAT, "strategy": self.name,
-                                    "size": self.size, "numel": self.numel,
-                                    "global_model": self.flat_model(self.anchors).cpu(),
-                                    "outer": outer, "local_steps_per_round": self.H}, path)
-        self._save_own(path, optimizer)
-
-    def load_checkpoint(self, path: str, optimizer) -> None:
-        """Before the first step, on every rank: continue from ``path``. The budgets
-        (max_seconds, max_commits) count from the resume."""
-        if self.started:
-            raise RuntimeError("load_checkpoint must be called before the first step()")
-        run = checkpoint.load(path)
-        checkpoint.check_run(run, path, self.name, self.size, self.numel)
-        self.outer.load_state_dict(run["outer"])     # every rank: the same momentum
-        self._load_own(path, optimizer)
-        kernels.unpack_assign(self.tensors, [t.clone() for t in self.tensors],
-                              run["global_model"].to(self.flat.device))
+    def _run_record(self) -> dict:
+        return {"local_steps_per_round": self.H}
 
     def counters(self) -> dict:
         c = super().counters()

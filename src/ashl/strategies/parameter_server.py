@@ -147,14 +147,7 @@ class ServerStrategy(Strategy):
         # the slot, size and server rank the run's server gives it (_join).
         self.join = join_endpoint(self.fault_tolerant)
         world = world_comm(comm, alone=self.join is not None)
-        # Until the plan, every rank meets the others in collectives: one lost there would
-        # leave them waiting for ever. A watchdog ends the job instead (cancelled in _plan).
-        self.startup_timeout_s = (max(STARTUP_TIMEOUT_S, 60 * self.fault_timeout_s)
-                                  if startup_timeout_s is None else float(startup_timeout_s))
-        self._watchdog = (start_watchdog(world.Get_rank(), world.Get_size(),
-                                         self.startup_timeout_s)
-                          if self.fault_tolerant and self.join is None
-                          and type(world).__module__.startswith("mpi4py") else None)
+        self._start_watchdog(world, startup_timeout_s)
         super().__init__(model, params, comm=world, sampler=sampler, heterogeneity=heterogeneity,
                          evaluate=evaluate, eval_every_s=eval_every_s,
                          control_rank=0 if self.join else server_rank,
@@ -162,13 +155,7 @@ class ServerStrategy(Strategy):
                          profile_within_epoch=profile_within_epoch)
         verify_same_model(world, self.names, self.tensors)
         self.server_rank = server_rank
-        self.compression = check_compression(compression, self.name, self.accepts_compression)
-        if (self.compression is not None and self.compression.ratio < 1.0
-                and any(t.dtype != torch.float32 for t in self.tensors)):
-            raise ValueError(f"compression={self.compression!r} needs fp32 parameters and "
-                             "buffers: what top-k does not send is kept for the next commit "
-                             "(error feedback) in fp32; this model has "
-                             f"{sorted({str(t.dtype) for t in self.tensors})}")
+        self.compression = self._checked_compression(compression)
         # the plan prices a round as max(steps, round trip) when commits overlap
         self.planner_config = dataclasses.replace(planner_config or PlannerConfig(),
                                                   overlap=self.overlap)
@@ -177,19 +164,47 @@ class ServerStrategy(Strategy):
                                  drift_config=drift_config)
         if self.is_server:
             self.mc.coordinator.plan_for = self.plan_for_survivors
+        self.staleness, self.bound, self.downlink = staleness, bound, downlink
+        self.outer_spec = parse_outer(self.default_outer if outer_optimizer is None
+                                      else outer_optimizer)
+        self._init_commit_state()
+        self._open_wire(world, poll_s)
+
+    def _start_watchdog(self, world, startup_timeout_s: Optional[float]) -> None:
+        """Until the plan, every rank meets the others in collectives: one lost there would
+        leave them waiting for ever. A watchdog ends the job instead (cancelled in _plan)."""
+        self.startup_timeout_s = (max(STARTUP_TIMEOUT_S, 60 * self.fault_timeout_s)
+                                  if startup_timeout_s is None else float(startup_timeout_s))
+        self._watchdog = (start_watchdog(world.Get_rank(), world.Get_size(),
+                                         self.startup_timeout_s)
+                          if self.fault_tolerant and self.join is None
+                          and type(world).__module__.startswith("mpi4py") else None)
+
+    def _checked_compression(self, compression) -> Optional[Compressor]:
+        compressor = check_compression(compression, self.name, self.accepts_compression)
+        if (compressor is not None and compressor.ratio < 1.0
+                and any(t.dtype != torch.float32 for t in self.tensors)):
+            raise ValueError(f"compression={compressor!r} needs fp32 parameters and "
+                             "buffers: what top-k does not send is kept for the next commit "
+                             "(error feedback) in fp32; this model has "
+                             f"{sorted({str(t.dtype) for t in self.tensors})}")
+        return compressor
+
+    def _open_wire(self, world, poll_s: float) -> None:
+        """The commits' and replies' own communicator, the server's end and this rank's."""
         self.wire = world.Dup()              # commits and replies: a tag space of their own
-        self.server_end, end = open_ends(self.wire, server_rank, self.numel,
+        self.server_end, end = open_ends(self.wire, self.server_rank, self.numel,
                                          transport=self.transport,
                                          fault_tolerant=self.fault_tolerant,
                                          timeout_s=self.fault_timeout_s, poll_s=poll_s,
                                          server_error=self._server_error, join=self.join)
         self.client = ServerClient(end, self.rank, self.numel, heterogeneity=self.hetero,
                                    pinned=self.staging.pinned)
+
+    def _init_commit_state(self) -> None:
+        """What the commits carry from one to the next: versions, residuals, the overlap's."""
         self.run_summary: Optional[dict] = None   # fault-tolerant: the server's word on the end
         self.dropped = False                 # the server dropped this rank as lost
-        self.staleness, self.bound, self.downlink = staleness, bound, downlink
-        self.outer_spec = parse_outer(self.default_outer if outer_optimizer is None
-                                      else outer_optimizer)
         self.anchors: Optional[list[torch.Tensor]] = None
         self.residual = Residual(self.tensors) if all(
             t.dtype == torch.float32 for t in self.tensors) else None
@@ -207,7 +222,7 @@ class ServerStrategy(Strategy):
         # The epoch from which the current plan's and stage's data shares apply, the same on
         # every rank (the coordinator's); None: this rank's next epoch boundary
         self.shares_epoch: Optional[int] = None
-        self.late_shares = 0      # shares that came after this rank had begun their epoch
+        self.late_shares = 0      # shares that changed a pass this rank had begun
         self._evaluated_model: Optional[torch.Tensor] = None   # the model that met the target
 
     # ------------------------------------------------------------------------ reading
@@ -594,6 +609,7 @@ class ServerStrategy(Strategy):
                               self.staging.to_device(run["global_model"]))
         if self.residual is not None and own.get("residual") is not None:
             self.residual.flat.copy_(own["residual"])
+        self._give_saved_shares(run["plan"], Stage(run["stage"]))
         self._resume = run
 
     def _check_outer_state(self, path: str, state: Optional[dict]) -> None:
@@ -646,14 +662,15 @@ class ServerStrategy(Strategy):
             return
         # a script that never calls set_epoch reads every pass as epoch 0: its next pass
         epoch = self.shares_epoch if getattr(self.sampler, "epochs_told", True) else None
-        begun = getattr(self.sampler, "has_begun", None)
-        if epoch is not None and begun is not None and begun(epoch):
+        shares = list(self.plan.stage(self.stage.planned).shares)
+        late = getattr(self.sampler, "comes_late", None)
+        if epoch is not None and late is not None and late(shares, epoch):
             self.late_shares += 1
             log.warning("rank %d: new data shares apply from epoch %d, which this rank has "
                         "already begun with its old share: unless every rank began it so, "
                         "that epoch reads some samples twice and some never",
                         self.rank, epoch)
-        self.sampler.set_shares(list(self.plan.stage(self.stage.planned).shares), epoch=epoch)
+        self.sampler.set_shares(shares, epoch=epoch)
 
     def counters(self) -> dict:
         c = super().counters()

@@ -221,12 +221,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     ``finish()`` is optional: a rank leaves the run by itself when the interpreter exits
     (before MPI is finalised), and every rank ends with the final global model.
     """
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    if type(optimizer).__module__ == _HOROVOD_OPTIMIZER_MODULE:
-        raise ValueError("optimizer is a distributed optimizer already (hvd.DistributedOptimizer "
-                         "or ashl.torch.DistributedOptimizer): pass the torch optimizer itself; "
-                         "ashl's replaces Horovod's, it does not wrap it")
+    _check_optimizer(optimizer)
     horovod = HorovodKeywords(backward_passes_per_step, op, gradient_predivide_factor,
                               num_groups, groups, sparse_as_dense, process_set)
     if strategy != "bsp":
@@ -236,6 +231,37 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     if model is not None:
         _check_model_holds(optimizer, model)
     params = _params(optimizer, model, named_parameters)
+    engine = _build_strategy(strategy, model, params, sampler=sampler, compression=compression,
+                             staleness=staleness, flat_storage=flat_storage, config=config)
+    if strategy == "bsp" and not engine.staged_gradients:
+        wrapped = _wrap_horovod(optimizer, model, named_parameters,
+                                dict(horovod.for_horovod(), compression=engine.horovod_compression))
+    else:
+        if strategy == "bsp":   # a CUDA model, a Horovod without GPU operations (bsp.py)
+            horovod.check_for_staged_gradients()
+        wrapped = _rewrap(optimizer, _StagedBspOptimizer if strategy == "bsp"
+                          else _DeltaOptimizer)
+    wrapped._ashl = engine
+    engine.optimizer = wrapped
+    engine.backward_passes_per_step = backward_passes_per_step
+    engine.sparse_as_dense = sparse_as_dense
+    _wrap_the_scripts_join()
+    leave_at_exit(wrapped)
+    return wrapped
+
+
+def _check_optimizer(optimizer) -> None:
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if type(optimizer).__module__ == _HOROVOD_OPTIMIZER_MODULE:
+        raise ValueError("optimizer is a distributed optimizer already (hvd.DistributedOptimizer "
+                         "or ashl.torch.DistributedOptimizer): pass the torch optimizer itself; "
+                         "ashl's replaces Horovod's, it does not wrap it")
+
+
+def _build_strategy(strategy: str, model, params, *, sampler, compression, staleness,
+                    flat_storage, config: dict):
+    """The strategy engine; a fault-tolerant run's start that fails ends its job, not hangs."""
     try:
         kwargs = _strategy_options(strategy, staleness, config)
     except ValueError as exc:   # refused alike on every rank: no collective is left waiting
@@ -244,39 +270,31 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         raise
     _store_flat(model, params, strategy, flat_storage)
     try:
-        engine = make_strategy(strategy, model, params, sampler=sampler,
-                               compression=compression, **kwargs)
+        return make_strategy(strategy, model, params, sampler=sampler,
+                             compression=compression, **kwargs)
     except Exception as exc:
         if kwargs.get("fault_tolerant"):
             end_failed_start(exc, kwargs.get("comm"))
         raise
-    if strategy == "bsp" and not engine.staged_gradients:
-        wrapped = _wrap_horovod(optimizer, model, named_parameters,
-                                dict(horovod.for_horovod(), compression=engine.horovod_compression))
-    else:
-        body = dict(_DistributedOptimizer.__dict__)
-        if strategy == "bsp":   # a CUDA model, a Horovod without GPU operations (bsp.py)
-            horovod.check_for_staged_gradients()
-        mixin = _StagedBspOptimizer if strategy == "bsp" else _DeltaOptimizer
-        body.update((k, v) for k, v in mixin.__dict__.items()
-                    if k not in ("__dict__", "__weakref__", "__module__", "__doc__"))
-        # hvd.broadcast_optimizer_state makes an empty state with one step() on zero
-        # gradients, the wrapped optimizer's own unless the class's module is Horovod's
-        # (a strategy's step would start the run, or wait in a collective the root skips).
-        body["__module__"] = _HOROVOD_OPTIMIZER_MODULE
-        cls = type(optimizer.__class__.__name__, (optimizer.__class__,), body)
-        wrapped = cls.__new__(cls)
-        wrapped.__dict__.update(optimizer.__dict__)   # the same param_groups and state objects
-        # An LR scheduler built before wrapping left the old object's step() in its
-        # __dict__ (bound to it): it would bypass ashl's. Its lr changes still reach the
-        # shared param_groups, as with Horovod's wrapper.
-        wrapped.__dict__.pop("step", None)
-    wrapped._ashl = engine
-    engine.optimizer = wrapped
-    engine.backward_passes_per_step = backward_passes_per_step
-    engine.sparse_as_dense = sparse_as_dense
-    _wrap_the_scripts_join()
-    leave_at_exit(wrapped)
+
+
+def _rewrap(optimizer: torch.optim.Optimizer, mixin: type) -> torch.optim.Optimizer:
+    """The optimizer as an instance of a subclass of its own class with `mixin`'s methods,
+    sharing its param_groups and state objects, as Horovod's wrapper does."""
+    body = dict(_DistributedOptimizer.__dict__)
+    body.update((k, v) for k, v in mixin.__dict__.items()
+                if k not in ("__dict__", "__weakref__", "__module__", "__doc__"))
+    # hvd.broadcast_optimizer_state makes an empty state with one step() on zero
+    # gradients, the wrapped optimizer's own unless the class's module is Horovod's
+    # (a strategy's step would start the run, or wait in a collective the root skips).
+    body["__module__"] = _HOROVOD_OPTIMIZER_MODULE
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), body)
+    wrapped = cls.__new__(cls)
+    wrapped.__dict__.update(optimizer.__dict__)   # the same param_groups and state objects
+    # An LR scheduler built before wrapping left the old object's step() in its
+    # __dict__ (bound to it): it would bypass ashl's. Its lr changes still reach the
+    # shared param_groups, as with Horovod's wrapper.
+    wrapped.__dict__.pop("step", None)
     return wrapped
 
 

@@ -158,6 +158,7 @@ class HeterogeneousSampler(Sampler[int]):
         # last entry whose first epoch is <= e.
         self._schedule: list[tuple[int, tuple[int, ...]]] = []
         self._started = False  # has an iteration of self.epoch begun?
+        self._read: dict[int, set[tuple[int, ...]]] = {}   # epoch -> the counts its passes read
         self._pending: tuple[int, ...] | None = None  # counts waiting for the next boundary
         self._on_iteration: list = []   # called when a pass over the data begins
         self._on_exhausted: list = []   # called when a pass has handed out all its indices
@@ -184,6 +185,7 @@ class HeterogeneousSampler(Sampler[int]):
         self.num_replicas, self.rank = int(num_replicas), int(rank)
         equal = self._counts([Fraction(1, self.num_replicas)] * self.num_replicas)
         self._schedule, self._pending = [(0, equal)], None
+        self._read.clear()     # passes read alone, before it joined, are not the run's
 
     # --- plan ------------------------------------------------------------------
 
@@ -222,10 +224,12 @@ class HeterogeneousSampler(Sampler[int]):
         self._schedule = [(e, c) for e, c in self._schedule if e < epoch] + [(epoch, counts)]
         self._pending = None
 
-    def has_begun(self, epoch: int) -> bool:
-        """Has this rank begun reading `epoch`, or a later one? (Shares set from `epoch` on
-        then come too late for the pass that began.)"""
-        return self.epoch > epoch or (self.epoch == epoch and self._started)
+    def comes_late(self, shares: Sequence, epoch: int) -> bool:
+        """Would `shares` from `epoch` on change a pass this rank has already begun? (Shares
+        that give the counts it reads anyway change nothing, whenever they come.)"""
+        counts = self._counts(shares)
+        return any(read != counts for e, passes in self._read.items() if e >= epoch
+                   for read in passes)
 
     def counts(self, epoch: int | None = None) -> tuple[int, ...]:
         """Samples per rank in `epoch` (default: the current one)."""
@@ -269,6 +273,7 @@ class HeterogeneousSampler(Sampler[int]):
         if self._pending is not None:
             self._apply(self._pending, self.epoch)
         self._started = True
+        self._read.setdefault(self.epoch, set()).add(self.counts())
         for callback in self._on_iteration:
             callback()
         return self._pass(self.indices())  # fixed now: later set_shares cannot change it
