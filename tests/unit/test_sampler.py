@@ -316,3 +316,28 @@ def test_the_end_of_a_pass_is_announced_once_inside_the_loop(num_workers):
     next(it)
     del it
     assert events.count("end") == 2
+
+
+def test_the_shares_schedule_survives_a_checkpoint():
+    s = HeterogeneousSampler(range(90), 3, 1)
+    s.set_shares([0.5, 0.25, 0.25], epoch=2)
+    s.set_epoch(4)
+    list(s)                                       # epoch 4 begun: new shares wait for 5
+    s.set_shares([0.2, 0.2, 0.6])
+    state = s.state_dict()
+    fresh = HeterogeneousSampler(range(90), 3, 1)
+    fresh.load_state_dict(state)
+    assert [fresh.counts(e) for e in range(7)] == \
+        [(30, 30, 30)] * 2 + [(45, 23, 22)] * 3 + [(18, 18, 54)] * 2
+    assert [fresh.counts(e) for e in range(7)] == [s.counts(e) if e < 5 else (18, 18, 54)
+                                                  for e in range(7)]
+    fresh.set_epoch(4)                            # the loop resumes epoch 4: as it began
+    assert len(fresh) == 23 and fresh.indices() == s.indices(epoch=4)
+
+
+def test_a_schedule_for_another_dataset_or_world_is_refused():
+    state = HeterogeneousSampler(range(90), 3, 1).state_dict()
+    with pytest.raises(ValueError, match="for 90 samples on 3 ranks; this sampler has 80 on 3"):
+        HeterogeneousSampler(range(80), 3, 1).load_state_dict(state)
+    with pytest.raises(ValueError, match="this sampler has 90 on 2"):
+        HeterogeneousSampler(range(90), 2, 1).load_state_dict(state)

@@ -500,29 +500,30 @@ def test_only_shares_that_change_a_pass_already_read_count_as_late(caplog):
     assert sampler.counts(4) != sampler.counts(3) == (30, 30, 30)
 
 
-@pytest.mark.filterwarnings("ignore:strategy 'ashl-sync' sizes")
-def test_ashl_sync_resumes_from_its_checkpoint_with_its_plan_and_stage(tmp_path):
+@pytest.mark.parametrize("switch", [True, False])       # resumed in SHL, in AHL
+def test_ashl_sync_resumes_from_its_checkpoint_with_its_plan_and_stage(tmp_path, switch):
     """Saved after its run ended (as ashl.train's last save), an ashl-sync run resumes on
-    every rank from the saved model, in the saved stage, with the saved plan: no profiling
-    round, and the counters go on from the saved ones."""
-    path = str(tmp_path / "ckpt.pt")
-
+    every rank from the saved model, in the saved stage, with the saved plan and data shares:
+    no profiling round, and the counters go on from the saved ones."""
     from ashl.emulation import Heterogeneity
+    path = str(tmp_path / "ckpt.pt")
 
     def first(comm, hvd):
         model, x, y = model_and_data(comm.Get_rank())
-        slow = Heterogeneity((1, 1, 3)[comm.Get_rank()], step_s=0.003)   # uneven shares
+        sampler = ashl.HeterogeneousSampler(range(90), 3, comm.Get_rank())
+        slow = Heterogeneity((1, 1, 3)[comm.Get_rank()], step_s=0.02)   # uneven shares
         opt = wrapped("ashl-sync", comm, hvd, model, profile_steps=3, eval_every_s=0,
-                      stage_config=StageConfig(max_commits=12), heterogeneity=slow)
+                      stage_config=StageConfig(max_commits=12, switch=switch),
+                      heterogeneity=slow, sampler=sampler)
         result = train(opt, model, x, y)
         opt.save_checkpoint(path)
-        return result
+        return dict(result, counts=sampler.counts())
 
     def second(comm, hvd):
         model, x, y = model_and_data(comm.Get_rank(), seed=1)    # another initial model
         sampler = ashl.HeterogeneousSampler(range(90), 3, comm.Get_rank())
         opt = wrapped("ashl-sync", comm, hvd, model, profile_steps=3, eval_every_s=0,
-                      stage_config=StageConfig(max_commits=6), sampler=sampler)
+                      stage_config=StageConfig(max_commits=6, switch=switch), sampler=sampler)
         opt.load_checkpoint(path)
         loaded = torch.cat([t.detach().reshape(-1) for t in model.state_dict().values()
                             if t.is_floating_point()])
@@ -531,23 +532,19 @@ def test_ashl_sync_resumes_from_its_checkpoint_with_its_plan_and_stage(tmp_path)
 
     saved = FakeWorld(3).run(first)
     resumed = FakeWorld(3).run(second)
-    # the loaded epoch reads with the saved stage's shares, before the loop's first pass
     stage = [t["from"] for t in saved[0]["transitions"] if t["to"] == "DONE"][0]
-    shares = list(saved[0]["plan"].stage(stage).shares)
-    assert resumed[0]["counts"] == ashl.HeterogeneousSampler(range(90), 3, 0,
-                                                             shares=shares).counts()
-    assert resumed[0]["counts"] != (30, 30, 30)
+    assert stage == ("SHL" if switch else "AHL")
     for before, after in zip(saved, resumed):
         assert torch.equal(after["loaded"], saved[0]["flat"])    # the saved global model
         assert after["plan"] == saved[0]["plan"]                 # not profiled again
         assert after["transitions"][0]["from"] == "PROFILE"
         assert after["transitions"][0]["reason"] == "resumed from a checkpoint"
-        assert after["transitions"][0]["commits"] == 0
+        assert after["transitions"][0]["at_s"] == 0.0            # the same on every rank
+        assert after["transitions"][-2]["to"] == stage           # and in the saved stage
         assert after["counters"]["commits"] == before["counters"]["commits"] + 2
         assert after["counters"]["local_steps"] > before["counters"]["local_steps"]
-    # its stage is the one the first run ended in
-    last_training = [t["from"] for t in saved[0]["transitions"] if t["to"] == "DONE"][0]
-    assert resumed[0]["transitions"][-2]["to"] == last_training
+        # the data shares the saved run read with, before the loop's first pass
+        assert after["counts"] == before["counts"] != (30, 30, 30)
 
 
 @pytest.mark.filterwarnings("ignore:strategy 'ashl-sync' sizes")
@@ -577,40 +574,30 @@ def test_an_ashl_sync_checkpoint_whose_plan_does_not_fit_is_refused(tmp_path):
     assert FakeWorld(1).run(rank_fn) == [True]
 
 
-@pytest.mark.filterwarnings("ignore:strategy 'ashl' sizes")
-def test_a_parameter_server_checkpoint_gives_the_sampler_its_saved_shares_at_the_load(tmp_path):
-    """The resumed epoch reads with the saved plan's shares, not the equal shares a sampler
+def test_a_parameter_server_checkpoint_restores_the_samplers_schedule_at_the_load(tmp_path):
+    """The resumed epoch reads with the saved run's counts, not the equal shares a sampler
     starts with until the first step adopts the plan (the batches a rank skips in that
-    epoch were counted in the saved shares)."""
+    epoch were counted in the saved ones)."""
     from ashl.emulation import Heterogeneity
     path = str(tmp_path / "ckpt.pt")
 
-    def first(comm, hvd):
-        model, x, y = model_and_data(comm.Get_rank())
-        slow = Heterogeneity((1, 3)[comm.Get_rank()], step_s=0.003)
-        opt = ashl.DistributedOptimizer(
-            torch.optim.SGD(model.parameters(), lr=0.05), model=model, comm=comm,
-            profile_steps=3, eval_every_s=0, stage_config=StageConfig(max_commits=8),
-            heterogeneity=slow)
-        result = train(opt, model, x, y)
-        opt.save_checkpoint(path)
-        return result
-
-    def second(comm, hvd):
+    def run(comm, load: bool):
         model, x, y = model_and_data(comm.Get_rank())
         sampler = ashl.HeterogeneousSampler(range(90), 2, comm.Get_rank())
+        slow = None if load else Heterogeneity((1, 3)[comm.Get_rank()], step_s=0.02)
         opt = ashl.DistributedOptimizer(
             torch.optim.SGD(model.parameters(), lr=0.05), model=model, comm=comm,
-            profile_steps=3, eval_every_s=0, stage_config=StageConfig(max_commits=4),
-            sampler=sampler)
-        opt.load_checkpoint(path)
+            profile_steps=3, eval_every_s=0, sampler=sampler, heterogeneity=slow,
+            stage_config=StageConfig(max_commits=4 if load else 8))
+        if load:
+            opt.load_checkpoint(path)
         counts = sampler.counts()
         train(opt, model, x, y)
+        if not load:
+            opt.save_checkpoint(path)
+            counts = sampler.counts()
         return counts
 
-    saved = FakeWorld(2).run(first)
-    counts = FakeWorld(2).run(second)
-    stage = [t["from"] for t in saved[0]["transitions"] if t["to"] == "DONE"][0]
-    shares = list(saved[0]["plan"].stage(stage).shares)
-    expected = ashl.HeterogeneousSampler(range(90), 2, 0, shares=shares).counts()
-    assert counts == [expected, expected] and expected != (45, 45)
+    saved = FakeWorld(2).run(lambda comm, hvd: run(comm, load=False))
+    loaded = FakeWorld(2).run(lambda comm, hvd: run(comm, load=True))
+    assert loaded == saved and saved[0] != (45, 45)

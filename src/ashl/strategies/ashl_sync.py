@@ -15,7 +15,6 @@ Differences from strategy "ashl":
 from __future__ import annotations
 
 import time
-from typing import Optional
 
 from ..planner import Plan
 from ..stages import Stage
@@ -26,7 +25,6 @@ class AshlSyncStrategy(ModelAveragingStrategy):
     name = "ashl-sync"
 
     profiled = True
-    _resumed: Optional[tuple[Plan, Stage]] = None   # a checkpoint's plan and stage, loaded
 
     def merge_weight(self, stage: Stage) -> float:
         if stage is Stage.PROFILE:
@@ -51,7 +49,7 @@ class AshlSyncStrategy(ModelAveragingStrategy):
             Stage.AHL)
         return {"plan": self.plan.to_dict(), "stage": stage.value}
 
-    def _check_run_record(self, run: dict, path: str) -> None:
+    def _check_run_record(self, run: dict, path: str) -> tuple[Plan, Stage]:
         try:
             plan, stage = Plan.from_dict(run["plan"]), Stage(run["stage"])
         except (KeyError, TypeError, ValueError) as e:
@@ -61,11 +59,7 @@ class AshlSyncStrategy(ModelAveragingStrategy):
         if len(plan.profiles) != self.size or not stage.training:
             raise ValueError(f"checkpoint {path}: a plan for {len(plan.profiles)} ranks in "
                              f"stage {stage.value}; this job has {self.size} ranks")
-        self._resumed = (plan, stage)
-
-    def load_checkpoint(self, path: str, optimizer) -> None:
-        super().load_checkpoint(path, optimizer)
-        self._give_saved_shares(*self._resumed)
+        return plan, stage
 
     def _start(self) -> None:
         super()._start()
@@ -75,5 +69,7 @@ class AshlSyncStrategy(ModelAveragingStrategy):
         (plan, stage), self._resumed = self._resumed, None
         self.planned = True
         self.adopt_plan(plan)
-        self._machine.resume(stage, time.monotonic() - self.t0)
+        # at the run's start (0 on the run's clock, the same on every rank): its time budgets
+        # count from there, as decide() then reads the clock
+        self._machine.resume(stage, 0.0)
         self._follow_machine(self._machine)

@@ -71,6 +71,7 @@ class ModelAveragingStrategy(Strategy):
 
     accepts_compression = ("none",)
     default_outer = "none"          # outer_optimizer=None: this (outer.py)
+    _resumed = None                 # what _check_run_record read of a loaded checkpoint
 
     def __init__(self, model, params, *, sampler=None, comm=None, compression=None,
                  outer_optimizer: Optional[str] = None,
@@ -120,8 +121,8 @@ class ModelAveragingStrategy(Strategy):
     def machine(self) -> StageMachine:
         return self._machine
 
-    def adopt_plan(self, plan) -> None:
-        super().adopt_plan(plan)
+    def adopt_plan(self, plan, give_shares: bool = True) -> None:
+        super().adopt_plan(plan, give_shares)
         self._round_start = time.perf_counter()   # profiling collectives are not round work
 
     def _give_shares(self) -> None:
@@ -272,13 +273,14 @@ class ModelAveragingStrategy(Strategy):
         ``path.rank<r>``. Progress since the last round is not saved."""
         if self.anchors is None:
             raise RuntimeError("nothing to checkpoint before the first step()")
+        record = self._run_record()     # on every rank: one that cannot save raises on all
         if self.rank == 0:
             outer = {k: v.cpu() if isinstance(v, torch.Tensor) else v
                      for k, v in self.outer.state_dict().items()}
             checkpoint.atomic_save({"format": checkpoint.FORMAT, "strategy": self.name,
                                     "size": self.size, "numel": self.numel,
                                     "global_model": self.flat_model(self.anchors).cpu(),
-                                    "outer": outer, **self._run_record()}, path)
+                                    "outer": outer, **record}, path)
         self._save_own(path, optimizer)
 
     def load_checkpoint(self, path: str, optimizer) -> None:
@@ -288,18 +290,21 @@ class ModelAveragingStrategy(Strategy):
             raise RuntimeError("load_checkpoint must be called before the first step()")
         run = checkpoint.load(path)
         checkpoint.check_run(run, path, self.name, self.size, self.numel)
-        self._check_run_record(run, path)
+        resumed = self._check_run_record(run, path)
         self.outer.load_state_dict(run["outer"])     # every rank: the same momentum
         self._load_own(path, optimizer)
         kernels.unpack_assign(self.tensors, [t.clone() for t in self.tensors],
                               run["global_model"].to(self.flat.device))
+        self._resumed = resumed
 
     def _run_record(self) -> dict:
         """What the strategy adds to the run's checkpoint file."""
         return {}
 
-    def _check_run_record(self, run: dict, path: str) -> None:
-        """Read back what _run_record saved, or refuse the file (before anything loads)."""
+    def _check_run_record(self, run: dict, path: str):
+        """Read back what _run_record saved, or refuse the file (before anything loads);
+        kept as ``self._resumed`` once the whole checkpoint has loaded."""
+        return None
 
     def counters(self) -> dict:
         c = super().counters()

@@ -535,24 +535,19 @@ class Strategy:
         self._make_plan()
 
     # ------------------------------------------------------------------- the control plane
-    def adopt_plan(self, plan: Plan) -> None:
+    def adopt_plan(self, plan: Plan, give_shares: bool = True) -> None:
         """A plan (the first, or a re-plan): its data shares apply at the sampler's next
-        epoch boundary on this rank."""
+        epoch boundary on this rank (not `give_shares`: a checkpoint's restored schedule
+        holds them already, epoch by epoch)."""
         self.plan = plan
         self.timeline.instant("plan", version=plan.version,
                               H=plan.local_steps(self.rank, self.stage.planned))
-        self._give_shares()
+        if give_shares:
+            self._give_shares()
 
     def _give_shares(self) -> None:
         if self.plan is not None and hasattr(self.sampler, "set_shares"):
             self.sampler.set_shares(list(self.plan.stage(self.stage.planned).shares))
-
-    def _give_saved_shares(self, plan: Plan, stage: Stage) -> None:
-        """At a checkpoint's load, before the loop's pass begins: the resumed epoch reads
-        with the saved stage's shares, as the saved run did (the batches to skip in it were
-        counted in them), the same on every rank."""
-        if hasattr(self.sampler, "set_shares"):
-            self.sampler.set_shares(list(plan.stage(stage.planned).shares))
 
     def _follow_machine(self, machine: StageMachine) -> None:
         """Adopt what a stage machine fed with this round's numbers decided."""
@@ -648,14 +643,25 @@ class Strategy:
                              "load-then-broadcast recipe")
 
     def _save_own(self, path: str, optimizer, **extra) -> None:
-        """This rank's part of a checkpoint: its optimizer state, counters and position."""
+        """This rank's part of a checkpoint: its optimizer state, counters, position and its
+        HeterogeneousSampler's shares schedule."""
         position = self.data_position()
+        if hasattr(self.sampler, "set_shares") and hasattr(self.sampler, "state_dict"):
+            extra["sampler"] = self.sampler.state_dict()
         checkpoint.save_rank(path, self.rank, optimizer, self.counters(), position["epoch"],
                              steps_in_epoch=position["steps_in_epoch"], **extra)
 
-    def _load_own(self, path: str, optimizer) -> dict:
-        """This rank's part: its optimizer state, counters and position back; the file."""
+    def _load_own(self, path: str, optimizer, restore_sampler: bool = True) -> dict:
+        """This rank's part: its optimizer state, counters, position and (`restore_sampler`)
+        shares schedule back, before the loop's first pass: the resumed epoch reads with the
+        counts its skipped batches were counted in, as the saved run did. Returns the file,
+        with "sampler_restored" set."""
         own = checkpoint.load_rank(path, self.rank, optimizer)
+        own["sampler_restored"] = (restore_sampler and own.get("sampler") is not None
+                                   and hasattr(self.sampler, "set_shares")
+                                   and hasattr(self.sampler, "load_state_dict"))
+        if own["sampler_restored"]:
+            self.sampler.load_state_dict(own["sampler"])
         counters = own.get("counters", {})
         self.local_steps = int(counters.get("local_steps", 0))
         self.commits = int(counters.get("commits", 0))

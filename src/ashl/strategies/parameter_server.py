@@ -604,12 +604,15 @@ class ServerStrategy(Strategy):
             raise ValueError(f"checkpoint {path}: its plan or stage cannot be read by this "
                              f"version of ashl ({e}); resume it with the version that saved "
                              "it") from None
-        own = self._load_own(path, optimizer)
+        # saved while a lost rank's slot was vacant: its schedule gives that slot nothing, and
+        # every rank is re-planned at the start (_start_from_checkpoint)
+        vacant = any(h == 0 for h in run["plan"].ahl.local_steps + run["plan"].shl.local_steps)
+        own = self._load_own(path, optimizer, restore_sampler=not vacant)
+        run["sampler_restored"] = own["sampler_restored"]
         kernels.unpack_assign(self.tensors, [t.clone() for t in self.tensors],
                               self.staging.to_device(run["global_model"]))
         if self.residual is not None and own.get("residual") is not None:
             self.residual.flat.copy_(own["residual"])
-        self._give_saved_shares(run["plan"], Stage(run["stage"]))
         self._resume = run
 
     def _check_outer_state(self, path: str, state: Optional[dict]) -> None:
@@ -652,7 +655,10 @@ class ServerStrategy(Strategy):
         self._started_up()
         self.planned = True
         self.stage = stage
-        self.adopt_plan(plan)
+        # a restored schedule holds the plan's shares from the epochs the coordinator named
+        # (the same on every rank); given again they would apply at each rank's own next
+        # boundary
+        self.adopt_plan(plan, give_shares=not run["sampler_restored"])
 
     def _give_shares(self) -> None:
         """The plan's shares for the stage, from the coordinator's shares epoch: the ranks

@@ -94,8 +94,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._ashl.set_epoch(epoch)
 
     def save_checkpoint(self, path: str) -> None:
-        """Write the run to ``path`` (server rank) and this rank's state to ``path.rank<r>``,
-        atomically. Not collective: call it wherever suits each rank (e.g. per epoch)."""
+        """Write the run to ``path`` (server rank; rank 0 for the synchronous strategies) and
+        this rank's state to ``path.rank<r>``, atomically. Not collective. A parameter-server
+        strategy's ranks may call it wherever suits each; localsgd, diloco and ashl-sync must
+        call it on every rank at the same point of the loop (after an epoch), so that every
+        rank's part is of the same round."""
         self._ashl.save_checkpoint(path, self)
 
     def load_checkpoint(self, path: str) -> dict:

@@ -224,6 +224,27 @@ class HeterogeneousSampler(Sampler[int]):
         self._schedule = [(e, c) for e, c in self._schedule if e < epoch] + [(epoch, counts)]
         self._pending = None
 
+    def state_dict(self) -> dict:
+        """The shares schedule, as sample counts from each epoch on (what a checkpoint keeps:
+        a resumed loop reads every epoch with the counts the saved run would have). Shares
+        waiting for the next boundary are placed there: the epoch after one begun."""
+        schedule = list(self._schedule)
+        if self._pending is not None:
+            at = self.epoch + 1 if self._started and self.epochs_told else self.epoch
+            schedule = [(e, c) for e, c in schedule if e < at] + [(at, self._pending)]
+        return {"n": self.n, "num_replicas": self.num_replicas,
+                "schedule": [(e, list(c)) for e, c in schedule]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Take a saved schedule (before the loop's first pass); one saved for another
+        dataset size or rank count is refused."""
+        if (state.get("n"), state.get("num_replicas")) != (self.n, self.num_replicas):
+            raise ValueError(f"the sampler state is for {state.get('n')} samples on "
+                             f"{state.get('num_replicas')} ranks; this sampler has {self.n} "
+                             f"on {self.num_replicas}")
+        self._schedule = [(int(e), tuple(int(x) for x in c)) for e, c in state["schedule"]]
+        self._pending = None
+
     def comes_late(self, shares: Sequence, epoch: int) -> bool:
         """Would `shares` from `epoch` on change a pass this rank has already begun? (Shares
         that give the counts it reads anyway change nothing, whenever they come.)"""
