@@ -601,3 +601,45 @@ def test_a_parameter_server_checkpoint_restores_the_samplers_schedule_at_the_loa
     saved = FakeWorld(2).run(lambda comm, hvd: run(comm, load=False))
     loaded = FakeWorld(2).run(lambda comm, hvd: run(comm, load=True))
     assert loaded == saved and saved[0] != (45, 45)
+
+
+def test_parameter_server_ranks_resumed_in_other_epochs_take_the_runs_shares_together(tmp_path):
+    """Each rank saved its part on its own clock: one saved before a re-plan holds older
+    shares. From the first epoch no rank has begun, every rank takes the run's plan's."""
+    from ashl import checkpoint
+    from ashl.emulation import Heterogeneity
+    path = str(tmp_path / "ckpt.pt")
+
+    def run(comm, load: bool):
+        rank = comm.Get_rank()
+        model, x, y = model_and_data(rank)
+        sampler = ashl.HeterogeneousSampler(range(90), 2, rank)
+        slow = None if load else Heterogeneity((1, 3)[rank], step_s=0.02)
+        opt = ashl.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.05), model=model, comm=comm,
+            profile_steps=3, eval_every_s=0, sampler=sampler, heterogeneity=slow,
+            stage_config=StageConfig(max_commits=4 if load else 8))
+        if not load:
+            train(opt, model, x, y)
+            opt.save_checkpoint(path)
+            return opt.plan
+        if rank == 1:       # as if rank 1 had saved before the plan: equal shares
+            own = checkpoint.load(checkpoint.rank_path(path, 1))
+            own["sampler"]["schedule"] = [(0, [45, 45])]
+            checkpoint.atomic_save(own, checkpoint.rank_path(path, 1))
+        comm.Barrier()
+        opt.load_checkpoint(path)
+        sampler.set_epoch((3, 5)[rank])              # each resumes in its own epoch
+        before = sampler.counts()
+        train(opt, model, x, y)
+        return before, sampler.counts(6), sampler.counts(5)
+
+    plan = FakeWorld(2).run(lambda comm, hvd: run(comm, load=False))[0]
+    stage = checkpoint.load(path)["stage"]
+    (before0, at6_0, _), (before1, at6_1, at5_1) = \
+        FakeWorld(2).run(lambda comm, hvd: run(comm, load=True))
+    planned = ashl.HeterogeneousSampler(range(90), 2, 0,
+                                        shares=list(plan.stage(stage).shares)).counts()
+    assert planned != (45, 45) and before0 == planned and before1 == (45, 45)
+    assert at6_0 == at6_1 == planned          # from epoch 5 + 1 on, every rank the run's
+    assert at5_1 == (45, 45)                  # rank 1's resumed epoch as it began it

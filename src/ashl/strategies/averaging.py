@@ -121,8 +121,8 @@ class ModelAveragingStrategy(Strategy):
     def machine(self) -> StageMachine:
         return self._machine
 
-    def adopt_plan(self, plan, give_shares: bool = True) -> None:
-        super().adopt_plan(plan, give_shares)
+    def adopt_plan(self, plan) -> None:
+        super().adopt_plan(plan)
         self._round_start = time.perf_counter()   # profiling collectives are not round work
 
     def _give_shares(self) -> None:

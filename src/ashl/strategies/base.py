@@ -535,15 +535,13 @@ class Strategy:
         self._make_plan()
 
     # ------------------------------------------------------------------- the control plane
-    def adopt_plan(self, plan: Plan, give_shares: bool = True) -> None:
+    def adopt_plan(self, plan: Plan) -> None:
         """A plan (the first, or a re-plan): its data shares apply at the sampler's next
-        epoch boundary on this rank (not `give_shares`: a checkpoint's restored schedule
-        holds them already, epoch by epoch)."""
+        epoch boundary on this rank."""
         self.plan = plan
         self.timeline.instant("plan", version=plan.version,
                               H=plan.local_steps(self.rank, self.stage.planned))
-        if give_shares:
-            self._give_shares()
+        self._give_shares()
 
     def _give_shares(self) -> None:
         if self.plan is not None and hasattr(self.sampler, "set_shares"):
@@ -654,14 +652,15 @@ class Strategy:
     def _load_own(self, path: str, optimizer, restore_sampler: bool = True) -> dict:
         """This rank's part: its optimizer state, counters, position and (`restore_sampler`)
         shares schedule back, before the loop's first pass: the resumed epoch reads with the
-        counts its skipped batches were counted in, as the saved run did. Returns the file,
-        with "sampler_restored" set."""
+        counts its skipped batches were counted in, as the saved run did; the file."""
         own = checkpoint.load_rank(path, self.rank, optimizer)
-        own["sampler_restored"] = (restore_sampler and own.get("sampler") is not None
-                                   and hasattr(self.sampler, "set_shares")
-                                   and hasattr(self.sampler, "load_state_dict"))
-        if own["sampler_restored"]:
-            self.sampler.load_state_dict(own["sampler"])
+        if (restore_sampler and own.get("sampler") is not None
+                and hasattr(self.sampler, "set_shares") and hasattr(self.sampler, "load_state_dict")):
+            try:
+                self.sampler.load_state_dict(own["sampler"])
+            except ValueError as e:
+                raise ValueError(f"checkpoint {checkpoint.rank_path(path, self.rank)}: "
+                                 f"{e}") from None
         counters = own.get("counters", {})
         self.local_steps = int(counters.get("local_steps", 0))
         self.commits = int(counters.get("commits", 0))

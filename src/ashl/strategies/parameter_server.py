@@ -608,7 +608,6 @@ class ServerStrategy(Strategy):
         # every rank is re-planned at the start (_start_from_checkpoint)
         vacant = any(h == 0 for h in run["plan"].ahl.local_steps + run["plan"].shl.local_steps)
         own = self._load_own(path, optimizer, restore_sampler=not vacant)
-        run["sampler_restored"] = own["sampler_restored"]
         kernels.unpack_assign(self.tensors, [t.clone() for t in self.tensors],
                               self.staging.to_device(run["global_model"]))
         if self.residual is not None and own.get("residual") is not None:
@@ -642,8 +641,13 @@ class ServerStrategy(Strategy):
                                        reason="resumed with every rank back")
         stage = Stage(run["stage"])
         stage = stage if stage.training else Stage.SHL
+        # Each rank saved its part (its sampler's schedule) on its own clock, in its own
+        # epoch: the run's shares (now, and a later re-plan's or stage's) apply from one
+        # epoch that no rank has begun, the same on every rank.
+        epochs = self.comm.allgather(self.current_epoch())
         if self.is_server:
             self.mc.coordinator.resume(plan, stage)
+            self.mc.coordinator.note_epochs(epochs)
             self._start_server(run["global_model"].clone())
             if run.get("outer") is not None:     # checked in load_checkpoint
                 self.server.server.outer.load_state_dict(run["outer"])
@@ -655,10 +659,8 @@ class ServerStrategy(Strategy):
         self._started_up()
         self.planned = True
         self.stage = stage
-        # a restored schedule holds the plan's shares from the epochs the coordinator named
-        # (the same on every rank); given again they would apply at each rank's own next
-        # boundary
-        self.adopt_plan(plan, give_shares=not run["sampler_restored"])
+        self.shares_epoch = max(epochs) + 1          # the coordinator's after note_epochs
+        self.adopt_plan(plan)
 
     def _give_shares(self) -> None:
         """The plan's shares for the stage, from the coordinator's shares epoch: the ranks

@@ -230,7 +230,7 @@ class HeterogeneousSampler(Sampler[int]):
         waiting for the next boundary are placed there: the epoch after one begun."""
         schedule = list(self._schedule)
         if self._pending is not None:
-            at = self.epoch + 1 if self._started and self.epochs_told else self.epoch
+            at = self.epoch + 1 if self._started else self.epoch
             schedule = [(e, c) for e, c in schedule if e < at] + [(at, self._pending)]
         return {"n": self.n, "num_replicas": self.num_replicas,
                 "schedule": [(e, list(c)) for e, c in schedule]}
