@@ -335,18 +335,20 @@ def output(proc):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("strategy,slowdown,commits", [("ashl", "1,2,3", 12),
                                                        ("localsgd", "1,2", 12),
-                                                       ("ashl-sync", "1,2", 6)])
+                                                       ("ashl-sync", "1,2", 4)])
 def test_a_checkpointed_run_resumes_where_it_stopped(tmp_path, strategy, slowdown, commits):
     """ashl saves on each rank's clock, localsgd and ashl-sync at epoch ends when rank 0
-    says so: either way a short run (short of the target: ashl-sync's 6 rounds on 2 ranks
-    can reach it) leaves a checkpoint and a --resume run continues it to the target."""
+    says so: either way a short run leaves a checkpoint and a --resume run continues it to
+    the target. (A synchronous run saved at the target may stop again before any step, in
+    the epoch-end round of the batches left: ashl-sync's first run is kept short of it.)"""
     ranks, ckpt = len(slowdown.split(",")), tmp_path / "ckpt"
     job = ["--strategy", strategy, "--compute-slowdown", slowdown, "--checkpoint-dir", ckpt,
            "--checkpoint-every", "0.05", "--no-progress"]
     proc = mpirun_train(ranks, *job, "--max-commits", str(commits), "--out", tmp_path / "first")
     assert proc.returncode == 0, output(proc)
     first = summary(tmp_path / "first")
-    assert first["final_accuracy"] < 0.9      # else the resume stops before any step
+    if strategy == "ashl-sync":
+        assert first["final_accuracy"] < 0.9, first["final_accuracy"]
     assert first["checkpoint"] == str(ckpt / "ckpt.pt") and first["resumed"] is False
     assert all(r["checkpoints_saved"] >= 1 for r in first["per_rank"])
     assert sorted(p.name for p in ckpt.iterdir()) == \
