@@ -137,8 +137,8 @@ def add_checkpoint_options(parser: argparse.ArgumentParser) -> None:
                         f"with {', '.join(s for s in STRATEGIES if s not in CHECKPOINTING)}")
     p.add_argument("--checkpoint-every", type=float, default=None, metavar="SECONDS",
                    help=f"seconds between two checkpoints (default {CHECKPOINT_EVERY:g}); "
-                        "localsgd, diloco and ashl-sync save at the first epoch end after that, every "
-                        "rank together")
+                        "localsgd, diloco and ashl-sync save at the first epoch end after that, "
+                        "every rank together")
     p.add_argument("--resume", action="store_true",
                    help="continue the run saved in --checkpoint-dir (same strategy, rank count "
                         "and model); the budgets count from the resume")

@@ -41,7 +41,8 @@ TRANSPORTS = ("zmq", "mpi")
 DEFAULT_TRANSPORT = "zmq"
 # overlap=True: the parameter-server strategies, whose commits travel while a rank steps on
 OVERLAPPING = PARAMETER_SERVER
-# Those with save_checkpoint / load_checkpoint (bsp keeps base.Strategy's, which raise): named here so a command line can refuse the others before torch or MPI start.
+# Those with save_checkpoint / load_checkpoint (bsp keeps base.Strategy's, which raise):
+# named here so a command line can refuse the others before torch or MPI start.
 CHECKPOINTING = tuple(s for s in STRATEGIES if s != "bsp")
 
 

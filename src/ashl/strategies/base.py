@@ -640,11 +640,16 @@ class Strategy:
                              "own optimizer state), not on rank 0 alone as with Horovod's "
                              "load-then-broadcast recipe")
 
+    def _sampler_keeps_schedule(self) -> bool:
+        """A HeterogeneousSampler: its shares schedule travels with a checkpoint."""
+        s = self.sampler
+        return all(hasattr(s, a) for a in ("set_shares", "state_dict", "load_state_dict"))
+
     def _save_own(self, path: str, optimizer, **extra) -> None:
         """This rank's part of a checkpoint: its optimizer state, counters, position and its
         HeterogeneousSampler's shares schedule."""
         position = self.data_position()
-        if hasattr(self.sampler, "set_shares") and hasattr(self.sampler, "state_dict"):
+        if self._sampler_keeps_schedule():
             extra["sampler"] = self.sampler.state_dict()
         checkpoint.save_rank(path, self.rank, optimizer, self.counters(), position["epoch"],
                              steps_in_epoch=position["steps_in_epoch"], **extra)
@@ -654,8 +659,7 @@ class Strategy:
         shares schedule back, before the loop's first pass: the resumed epoch reads with the
         counts its skipped batches were counted in, as the saved run did; the file."""
         own = checkpoint.load_rank(path, self.rank, optimizer)
-        if (restore_sampler and own.get("sampler") is not None
-                and hasattr(self.sampler, "set_shares") and hasattr(self.sampler, "load_state_dict")):
+        if restore_sampler and own.get("sampler") is not None and self._sampler_keeps_schedule():
             try:
                 self.sampler.load_state_dict(own["sampler"])
             except ValueError as e:
