@@ -56,13 +56,6 @@ def save_rank(path: str, rank: int, optimizer, counters: dict, epoch: int, **ext
                  "counters": counters, "epoch": epoch, **extra}, rank_path(path, rank))
 
 
-def load_rank(path: str, rank: int, optimizer) -> dict:
-    """This rank's part, its optimizer state loaded into `optimizer`; returns the file."""
-    own = load(rank_path(path, rank))
-    optimizer.load_state_dict(own["optimizer"])
-    return own
-
-
 def load(path: str) -> dict:
     """A checkpoint written by `atomic_save`, checked for the fields ashl needs."""
     if not os.path.exists(path):

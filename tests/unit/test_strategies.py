@@ -1,5 +1,6 @@
 """The strategies' control plane on an in-process fake world (fake_world.py): N ranks in
 threads, a real model and optimizer, the real strategy classes, no mpirun."""
+import copy
 import math
 import re
 import threading
@@ -55,8 +56,9 @@ def train(opt, model, x, y, max_steps=400, leave_after=None):
 
 def wrapped(strategy, comm, hvd, model, **config):
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    return ashl.DistributedOptimizer(opt, model=model, strategy=strategy, comm=comm, hvd=hvd,
-                                     **config)
+    if hvd is not None:
+        config["hvd"] = hvd
+    return ashl.DistributedOptimizer(opt, model=model, strategy=strategy, comm=comm, **config)
 
 
 @pytest.mark.parametrize("strategy", ["localsgd", "ashl-sync"])
@@ -545,6 +547,54 @@ def test_ashl_sync_resumes_from_its_checkpoint_with_its_plan_and_stage(tmp_path,
         assert after["counters"]["local_steps"] > before["counters"]["local_steps"]
         # the data shares the saved run read with, before the loop's first pass
         assert after["counts"] == before["counts"] != (30, 30, 30)
+
+
+
+@pytest.mark.parametrize("strategy,part", [
+    ("ashl", "sampler"), ("ashl", "optimizer"), ("localsgd", "sampler"),
+    ("diloco", "sampler")])
+def test_a_checkpoint_refused_part_way_through_its_load_changes_nothing(tmp_path, strategy,
+                                                                         part):
+    """A rank's part whose sampler schedule (loaded after the optimizer's state and, for
+    diloco, the outer momentum) or optimizer state does not fit: the load is refused, and
+    this process's optimizer, outer optimizer, sampler and counters are as before it."""
+    from ashl import checkpoint
+    path = str(tmp_path / "ckpt.pt")
+
+    def rank_fn(comm, hvd):
+        rank = comm.Get_rank()
+        model, x, y = model_and_data(rank)
+        ps = strategy == "ashl"           # a parameter server: no Horovod
+        extra = {"profile_steps": 3} if ps else {"local_steps": 2}
+        hvd = None if ps else hvd
+        opt = wrapped(strategy, comm, hvd, model, eval_every_s=0,
+                      sampler=ashl.HeterogeneousSampler(range(90), 2, rank),
+                      stage_config=StageConfig(max_commits=4), **extra)
+        train(opt, model, x, y)
+        opt.save_checkpoint(path)
+        own = checkpoint.load(checkpoint.rank_path(path, rank))
+        if part == "sampler":
+            own["sampler"]["n"] = 80
+        else:
+            own["optimizer"]["param_groups"][0]["params"] = [0]
+        checkpoint.atomic_save(own, checkpoint.rank_path(path, rank))
+        comm.Barrier()
+        sampler = ashl.HeterogeneousSampler(range(90), 2, rank)
+        fresh = wrapped(strategy, comm, hvd, model_and_data(rank)[0], eval_every_s=0,
+                        sampler=sampler, **extra)
+        strat = fresh.strategy
+        before = (copy.deepcopy(fresh.state_dict()), sampler.state_dict(),
+                  strat.counters()["local_steps"], getattr(strat, "outer", None)
+                  and copy.deepcopy(strat.outer.state_dict()))
+        with pytest.raises(ValueError, match=f"rank{rank} does not fit this run: "):
+            fresh.load_checkpoint(path)
+        after = (fresh.state_dict(), sampler.state_dict(), strat.counters()["local_steps"],
+                 getattr(strat, "outer", None) and strat.outer.state_dict())
+        assert repr(after) == repr(before) and not strat.resuming
+        fresh.finish()
+        return True
+
+    assert FakeWorld(2).run(rank_fn) == [True, True]
 
 
 @pytest.mark.filterwarnings("ignore:strategy 'ashl-sync' sizes")

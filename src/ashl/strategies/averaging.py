@@ -54,7 +54,7 @@ from ..coordinator import DriftConfig, MPICoordinator
 from ..outer import PlainMerge, make_outer
 from ..planner import PlannerConfig
 from ..stages import Stage, StageConfig, StageMachine
-from .base import Strategy
+from .base import Strategy, restored_if_refused
 from .control import LEFT_EARLY, ControlSlots, decide, idle_seconds, last_decisions
 from .model_state import verify_same_model
 from .join import horovod_join
@@ -291,8 +291,9 @@ class ModelAveragingStrategy(Strategy):
         run = checkpoint.load(path)
         checkpoint.check_run(run, path, self.name, self.size, self.numel)
         resumed = self._check_run_record(run, path)
-        self.outer.load_state_dict(run["outer"])     # every rank: the same momentum
-        self._load_own(path, optimizer)
+        with restored_if_refused(self.outer):
+            self.outer.load_state_dict(run["outer"])     # every rank: the same momentum
+            self._load_own(path, optimizer)
         kernels.unpack_assign(self.tensors, [t.clone() for t in self.tensors],
                               run["global_model"].to(self.flat.device))
         self._resumed = resumed

@@ -20,6 +20,8 @@ to a new training stage (default: the sampler takes the new stage's data shares)
 """
 from __future__ import annotations
 
+import contextlib
+import copy
 import logging
 import math
 import socket
@@ -243,6 +245,19 @@ def loss_value(loss) -> Optional[float]:
     if loss is None:
         return None
     return float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+
+
+@contextlib.contextmanager
+def restored_if_refused(*stateful):
+    """A checkpoint refused part-way through its load leaves this process as it was: the
+    states loaded before the refusal (an optimizer's, an outer optimizer's) are put back."""
+    saved = [(s, copy.deepcopy(s.state_dict())) for s in stateful]
+    try:
+        yield
+    except BaseException:
+        for s, state in saved:
+            s.load_state_dict(state)
+        raise
 
 
 class Strategy:
@@ -654,22 +669,37 @@ class Strategy:
         checkpoint.save_rank(path, self.rank, optimizer, self.counters(), position["epoch"],
                              steps_in_epoch=position["steps_in_epoch"], **extra)
 
-    def _load_own(self, path: str, optimizer, restore_sampler: bool = True) -> dict:
+    def _load_own(self, path: str, optimizer, restore_sampler: bool = True,
+                  tensors: Optional[dict] = None) -> dict:
         """This rank's part: its optimizer state, counters, position and (`restore_sampler`)
         shares schedule back, before the loop's first pass: the resumed epoch reads with the
-        counts its skipped batches were counted in, as the saved run did; the file."""
-        own = checkpoint.load_rank(path, self.rank, optimizer)
-        if restore_sampler and own.get("sampler") is not None and self._sampler_keeps_schedule():
-            try:
-                self.sampler.load_state_dict(own["sampler"])
-            except ValueError as e:
-                raise ValueError(f"checkpoint {checkpoint.rank_path(path, self.rank)}: "
-                                 f"{e}") from None
-        counters = own.get("counters", {})
-        self.local_steps = int(counters.get("local_steps", 0))
-        self.commits = int(counters.get("commits", 0))
-        self.epoch = self._steps_epoch = int(own.get("epoch", 0))
-        self.epoch_steps = int(own.get("steps_in_epoch", 0))
+        counts its skipped batches were counted in, as the saved run did; and the saved
+        tensors named in `tensors` copied into them. A part that does not fit changes
+        nothing. Returns the file."""
+        tensors = tensors or {}
+        own_path = checkpoint.rank_path(path, self.rank)
+        own = checkpoint.load(own_path)
+        try:
+            counters = own.get("counters", {})
+            steps, commits = int(counters.get("local_steps", 0)), int(counters.get("commits", 0))
+            epoch, in_epoch = int(own.get("epoch", 0)), int(own.get("steps_in_epoch", 0))
+            saved = {k: own[k] for k in tensors if own.get(k) is not None}
+            for name, t in saved.items():
+                if not isinstance(t, torch.Tensor) or t.shape != tensors[name].shape:
+                    raise ValueError(f"its {name} is not a tensor of shape "
+                                     f"{tuple(tensors[name].shape)}")
+            with restored_if_refused(optimizer):
+                optimizer.load_state_dict(own["optimizer"])
+                if restore_sampler and own.get("sampler") is not None \
+                        and self._sampler_keeps_schedule():     # the last that may refuse:
+                    self.sampler.load_state_dict(own["sampler"])    # checks, then assigns
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"checkpoint {own_path} does not fit this run: {e}") from None
+        for name, t in saved.items():
+            tensors[name].copy_(t)
+        self.local_steps, self.commits = steps, commits
+        self.epoch = self._steps_epoch = epoch
+        self.epoch_steps = in_epoch
         self.resumed_at = {"epoch": self.epoch, "steps_in_epoch": self.epoch_steps}
         self.resuming = True
         return own

@@ -607,11 +607,10 @@ class ServerStrategy(Strategy):
         # saved while a lost rank's slot was vacant: its schedule gives that slot nothing, and
         # every rank is re-planned at the start (_start_from_checkpoint)
         vacant = any(h == 0 for h in run["plan"].ahl.local_steps + run["plan"].shl.local_steps)
-        own = self._load_own(path, optimizer, restore_sampler=not vacant)
+        self._load_own(path, optimizer, restore_sampler=not vacant,
+                       tensors={} if self.residual is None else {"residual": self.residual.flat})
         kernels.unpack_assign(self.tensors, [t.clone() for t in self.tensors],
                               self.staging.to_device(run["global_model"]))
-        if self.residual is not None and own.get("residual") is not None:
-            self.residual.flat.copy_(own["residual"])
         self._resume = run
 
     def _check_outer_state(self, path: str, state: Optional[dict]) -> None:
