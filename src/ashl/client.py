@@ -15,6 +15,7 @@ the blocking ``commit`` (which is ``begin`` then ``reply(wait=True)``) sleeps fo
 """
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -74,6 +75,8 @@ class InFlight:
     t_send: float                  # perf_counter at begin: the link time counts from here
     depart_at: float               # time.monotonic: when it leaves (emulated upload)
     sent: bool = False
+    uploader: Optional[threading.Timer] = None      # sends it at depart_at, beside the steps
+    upload_error: Optional[BaseException] = None    # what the uploader's send raised
     answer: Optional[protocol.Message] = None
     arrive_at: float = 0.0         # time.monotonic: when its reply may be taken
     link_end: float = 0.0          # perf_counter: when the reply was there to take
@@ -96,18 +99,62 @@ class ServerClient:
 
     def commit(self, payload: Payload, commit: Commit) -> Reply:
         """Send a commit and wait for its answer."""
-        self.begin(payload, commit)
+        self.begin(payload, commit, overlapped=False)
         return self.reply(wait=True)
 
-    def begin(self, payload: Payload, commit: Commit) -> int:
-        """Start a commit (sent now, or at its emulated departure time by a later ``reply``);
-        its message size. The payload's buffer must stay as it is until its reply."""
+    def begin(self, payload: Payload, commit: Commit, overlapped: bool = True) -> int:
+        """Start a commit; its message size. The payload's buffer must stay as it is until
+        its reply. An `overlapped` commit over an emulated link (or a transport whose send
+        blocks) is sent from a thread, at its departure time, while the rank takes its
+        steps, as a real link's upload runs beside the compute (sent at the next step
+        boundary, it came up to a step late); otherwise it leaves now or, over an emulated
+        link, in ``reply``."""
         if self.inflight is not None:
             raise RuntimeError("a commit is already in flight: take its reply first")
         header = self._header(payload, commit)
-        self.inflight = InFlight(header, payload, time.perf_counter(),
-                                 time.monotonic() + self.hetero.link_delay(header.nbytes))
+        f = InFlight(header, payload, time.perf_counter(),
+                     time.monotonic() + self.hetero.link_delay(header.nbytes))
+        self.inflight = f
+        if overlapped and (f.depart_at > time.monotonic() or self.end.send_blocks):
+            f.uploader = threading.Timer(max(0.0, f.depart_at - time.monotonic()), self._upload,
+                                         (f,))
+            f.uploader.daemon = True
+            f.uploader.start()
         return header.nbytes
+
+    def _upload(self, f: InFlight) -> None:
+        """The uploader's send. Until it returns, only this thread uses the end (the training
+        thread waits for it before it polls for the reply)."""
+        try:
+            self.end.send(f.header, f.payload.buffer)
+            f.sent = True
+        except BaseException as exc:  # noqa: BLE001 - raised in the training thread's reply()
+            f.upload_error = exc
+
+    def _sent(self, f: InFlight, wait: bool) -> bool:
+        """Has `f` left (`wait`: once it has)? An uploader's failure is raised here."""
+        if f.uploader is not None:
+            if not wait and f.uploader.is_alive():
+                return False
+            f.uploader.join()
+            if f.upload_error is not None:
+                raise f.upload_error
+            return True
+        if not f.sent:
+            if not wait and time.monotonic() < f.depart_at:
+                return False
+            sleep_until(f.depart_at)
+            self.end.send(f.header, f.payload.buffer)
+            f.sent = True
+        return True
+
+    def close(self) -> None:
+        """A commit still waiting for its departure (a dropped rank's, the run over) never
+        leaves: the end may close after this."""
+        f = self.inflight
+        if f is not None and f.uploader is not None:
+            f.uploader.cancel()
+            f.uploader.join()
 
     def reply(self, wait: bool) -> Optional[Reply]:
         """The in-flight commit's answer; without `wait`, None while it has not arrived (the
@@ -115,19 +162,18 @@ class ServerClient:
         f = self.inflight
         if f is None:
             raise RuntimeError("no commit in flight")
-        if not f.sent:
-            if not wait and time.monotonic() < f.depart_at:
-                return None
-            sleep_until(f.depart_at)
-            self.end.send(f.header, f.payload.buffer)
-            f.sent = True
+        if not self._sent(f, wait):
+            return None
         if f.answer is None:
             if not wait and not self.end.poll(0.0):
                 return None
             f.answer = self._receive(self.model_buf, Kind.REPLY)
             h = f.answer.header
             f.arrive_at = self.hetero.arrival(h.sent_at, h.nbytes)
-            f.link_end = time.perf_counter() + max(0.0, f.arrive_at - time.monotonic())
+            # an emulated link's reply was there at its arrival time, though the rank may
+            # look only later, between its steps; a real one's when it is seen here
+            f.link_end = time.perf_counter() + (f.arrive_at - time.monotonic()
+                                                if f.arrive_at else 0.0)
         if not wait and time.monotonic() < f.arrive_at:
             return None
         sleep_until(f.arrive_at)

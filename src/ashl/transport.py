@@ -112,6 +112,10 @@ class ServerEnd:
 class RankEnd:
     """A rank's end of the commit transport."""
 
+    # send waits for the transfer (MPI_Send of a large message): an overlapped commit is
+    # sent from a thread, so that its upload overlaps the rank's steps as over ZeroMQ
+    send_blocks = False
+
     def send(self, header: Header, payload=None) -> None:
         raise NotImplementedError
 
@@ -156,6 +160,8 @@ class MPIServerEnd(ServerEnd):
 class MPIRankEnd(RankEnd):
     """Commits to `server_rank`; waits for the answer without spinning a core, and gives up
     when `server_error()` says the server thread on this rank has died."""
+
+    send_blocks = True
 
     def __init__(self, comm, server_rank: int, model_numel: int, *, poll_s: float = 2e-4,
                  server_error: Callable[[], Optional[BaseException]] = lambda: None):
@@ -466,12 +472,19 @@ class ZmqRankEnd(RankEnd):
             self.send(Header(kind=protocol.Kind.HELLO, rank=rank))
 
     def send(self, header: Header, payload=None) -> None:
+        """Raises ServerLost when the server has been unreachable for timeout_s (an
+        overlapped commit's uploader must end, so that the end can close)."""
         import zmq
+        started = time.monotonic()
         while True:
             try:
                 return _send_parts(self.sock, [], header, payload, wait=None)
             except zmq.Again:   # nothing went: no peer to queue for (the first frame blocks)
                 self._check_server()
+                if time.monotonic() - started > self.timeout_s:
+                    raise ServerLost(f"could not send to the parameter server "
+                                     f"({self._where()}) for {self.timeout_s:g} s: it is "
+                                     "not connected") from None
 
     def _check_server(self) -> None:
         error = self.server_error()

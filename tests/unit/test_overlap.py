@@ -1,6 +1,7 @@
 """Overlapped commits without MPI: the update w <- W + (w - w_sent), anchor <- W, exactly;
 nothing a rank steps is lost or merged twice, with and without top-k's residual; the
 server's damping of an overlapped commit; the client's commit in slices."""
+import threading
 import time
 
 import pytest
@@ -14,6 +15,7 @@ from ashl.emulation import Heterogeneity, Link
 from ashl.overlap import add_progress, rebase, take_progress
 from ashl.protocol import DType, Flag, Header, Kind
 from ashl.stages import Stage
+from ashl.transport import RankEnd
 
 from test_server import N as SERVER_N, dense, server
 
@@ -165,7 +167,7 @@ def test_the_in_flight_allowance_only_ever_lowers_the_excess(staleness, in_fligh
     assert 0 <= s.excess(staleness, in_flight) <= s.excess(staleness)
 
 
-class QueueEnd:
+class QueueEnd(RankEnd):
     """A RankEnd whose server answers each commit at once with a fixed model."""
 
     def __init__(self, numel, version=7):
@@ -209,6 +211,71 @@ def test_client_commit_in_slices_waits_for_the_emulated_departure_and_arrival():
     assert len(end.sent) == 1 and reply.version == 7 and reply.accepted
     assert torch.equal(reply.model, torch.arange(N, dtype=torch.float32))
     assert client.inflight is None and client.last_link_s >= 2 * 0.05
+
+
+def test_an_overlapped_commit_leaves_at_its_departure_time_without_a_poll():
+    """Over an emulated link the upload runs beside the rank's steps, as a real link's: the
+    commit leaves at its departure time even though the rank does not poll until later
+    (before, it left at the first poll after it, up to a step late), and the reply's link
+    time is the upload and the download, not the poll's quantum."""
+    end = QueueEnd(N)
+    client = ServerClient(end, 1, N, heterogeneity=Heterogeneity(
+        link=Link(latency_s=0.05, bytes_per_s=1e12)))
+    sent = []
+    send = end.send
+    end.send = lambda header, payload=None: (sent.append(time.monotonic()), send(header))
+    began = time.monotonic()
+    client.begin(Compression.none.compress(torch.zeros(N)), commit_args())
+    assert client.reply(wait=False) is None and not sent          # not departed yet
+    time.sleep(0.3)                                                # a long local step
+    assert len(sent) == 1 and 0.05 <= sent[0] - began < 0.2        # left at 0.05 s, alone
+    reply = client.reply(wait=False)
+    assert reply is not None and reply.accepted and client.inflight is None
+    assert 0.1 <= client.last_link_s < 0.2                         # up, down; not the 0.3 s
+
+
+def test_an_uploaders_failure_is_raised_by_the_reply_and_close_cancels_one_not_gone():
+    end = QueueEnd(N)
+    client = ServerClient(end, 1, N, heterogeneity=Heterogeneity(
+        link=Link(latency_s=0.02, bytes_per_s=1e12)))
+
+    def fail(header, payload=None):
+        raise ConnectionError("the server is gone")
+
+    end.send = fail
+    client.begin(Compression.none.compress(torch.zeros(N)), commit_args())
+    with pytest.raises(ConnectionError, match="the server is gone"):
+        client.reply(wait=True)
+    client.inflight = None
+    end.send = lambda header, payload=None: pytest.fail("a cancelled commit left")
+    client.begin(Compression.none.compress(torch.zeros(N)), commit_args())
+    client.close()
+    time.sleep(0.05)
+
+
+def test_a_blocking_commit_leaves_from_the_callers_thread():
+    end = QueueEnd(N)
+    client = ServerClient(end, 1, N, heterogeneity=Heterogeneity(
+        link=Link(latency_s=0.02, bytes_per_s=1e12)))
+    threads, send = [], end.send
+    end.send = lambda header, payload=None: (threads.append(threading.current_thread()),
+                                             send(header))
+    reply = client.commit(Compression.none.compress(torch.zeros(N)), commit_args())
+    assert reply.accepted and client.inflight is None
+    assert threads == [threading.current_thread()]      # no uploader: nothing to overlap
+
+
+def test_over_a_transport_whose_send_blocks_an_overlapped_commit_is_sent_from_a_thread():
+    """MPI's send waits for the transfer: the upload overlaps the steps only from a thread."""
+    end = QueueEnd(N)
+    end.send_blocks = True
+    threads, send = [], end.send
+    end.send = lambda header, payload=None: (threads.append(threading.current_thread()),
+                                             send(header))
+    client = ServerClient(end, 1, N)
+    client.begin(Compression.none.compress(torch.zeros(N)), commit_args())
+    assert client.reply(wait=True).accepted
+    assert len(threads) == 1 and threads[0] is not threading.current_thread()
 
 
 def test_client_without_a_link_takes_the_reply_at_the_first_poll():

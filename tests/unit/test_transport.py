@@ -256,6 +256,23 @@ def test_a_ranks_send_does_not_wait_for_a_server_that_is_not_there(ends):
         end.recv(MessageBuffer(16))
 
 
+@pytest.mark.timeout(20)
+def test_a_send_with_no_server_to_queue_for_gives_up_after_the_timeout(ends):
+    """The server rank's own end once the server's end has closed: no peer at all, so its
+    send would block for ever (an overlapped commit's uploader must end, or the rank's end
+    could not close): ServerLost after timeout_s."""
+    server = ends.server()
+    own = server.own_end(0)
+    ends.open.append(own)
+    own.timeout_s = 0.3
+    ends.close(server)
+    time.sleep(0.5)                     # ZeroMQ's I/O thread drops the pipe to it
+    started = time.monotonic()
+    with pytest.raises(ServerLost, match="could not send to the parameter server"):
+        own.send(header(Kind.DENSE_DELTA, 0, DType.FLOAT32, 10), torch.zeros(10))
+    assert time.monotonic() - started < WAIT_S
+
+
 def test_send_to_a_rank_that_never_connected_says_false(ends):
     server = ends.server(world_size=3, numel=10)
     rank = ends.rank(server, rank=1, world_size=3)

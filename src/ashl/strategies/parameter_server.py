@@ -330,6 +330,7 @@ class ServerStrategy(Strategy):
         self.rank, self.size = int(info["rank"]), int(info["size"])
         self.server_rank = self.control_rank = int(info["server_rank"])
         self.timeline.rank = self.rank
+        self.client.close()
         self.client.end.close()
         self.client.end = ZmqRankEnd(self.join, self.rank, self.numel, world_size=self.size,
                                      server_rank=self.server_rank, timeout_s=self.fault_timeout_s,
@@ -560,6 +561,7 @@ class ServerStrategy(Strategy):
 
     def _close(self) -> None:
         self.mc.close(collective=not self.fault_tolerant)
+        self.client.close()
         self.client.end.close()
         if self.server_end is not None:
             self.server_end.close()
