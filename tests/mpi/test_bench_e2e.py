@@ -2,6 +2,7 @@
 reported without ending the benchmark, and a small real comparison under mpirun."""
 
 import json
+import math
 import os
 import re
 import signal
@@ -11,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 import _util  # noqa: E402
 
@@ -87,6 +89,46 @@ def test_speedups_and_table():
     assert "| asp | missed |" in md and "| ssp | FAILED |" in md
     assert "70%" in md   # mean utilisation
     assert "| busy min |" in lines[0] and "| 70% | 50% | - |" in md   # no busy figures here
+
+
+def test_the_speedup_interval_is_a_deterministic_bootstrap_of_the_ratio_of_medians():
+    same = e2e.speedup_interval([2.0] * 5, [3.0] * 4)
+    assert same == (1.5, 1.5)                                 # no spread: the ratio itself
+    assert e2e.speedup_interval([1.0, 2.0], [3.0] * 5) is None     # fewer than 3 seeds
+    mine, other = [30.0, 35.0, 28.0, 41.0, 33.0], [37.0, 31.0, 55.0, 44.0, 36.0]
+    lo, hi = e2e.speedup_interval(mine, other)
+    assert lo < 37.0 / 33.0 < hi and lo < 1.0 < hi            # this spread covers 1
+    assert e2e.speedup_interval(mine, other) == (lo, hi)       # the same every time
+    # a missed seed is the slowest; a resample whose medians both missed counts as 1
+    lo, hi = e2e.speedup_interval([1.0, math.inf, math.inf], [math.inf] * 3)
+    assert lo == 1.0 and hi == math.inf
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(1.0, 100.0), min_size=3, max_size=8),
+       st.lists(st.floats(1.0, 100.0), min_size=3, max_size=8), st.floats(0.5, 4.0))
+def test_the_speedup_interval_is_ordered_and_scales_with_the_times(mine, other, c):
+    lo, hi = e2e.speedup_interval(mine, other)
+    assert 0 < lo <= hi
+    assert min(other) / max(mine) <= lo and hi <= max(other) / min(mine)
+    slo, shi = e2e.speedup_interval(mine, [c * t for t in other])   # the same resamples
+    assert slo == pytest.approx(c * lo) and shi == pytest.approx(c * hi)
+
+
+def test_the_table_and_report_give_the_interval_of_a_strategy_with_3_seeds_or_more():
+    def seeded(name, times):
+        runs = [dict(fake(name, t), run_dir="x") for t in times]
+        return e2e.combine_seeds(runs)
+
+    results = [seeded("ashl", [2.0, 2.2, 1.8]), seeded("adsp", [3.0, 2.4, 2.6]),
+               fake("bsp", 5.0)]
+    exact, at_least = e2e.speedups(results, "ashl")
+    intervals = e2e.speedup_intervals(results, "ashl")
+    assert set(intervals) == {"adsp"}                          # bsp ran one seed
+    lo, hi = intervals["adsp"]
+    assert lo <= exact["adsp"] <= hi
+    md = e2e.table(results, 0.93, "ashl", exact, at_least, intervals)
+    assert f"{exact['adsp']:.2f}x [{lo:.2f}-{hi:.2f}]" in md and "| 2.50x |" in md
 
 
 def test_seeds_combine_into_medians_with_their_range():

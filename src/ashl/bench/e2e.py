@@ -20,7 +20,9 @@ Writes (next to ``--json``, default ``out/e2e/e2e.json``):
     e2e.json   {"scenario": {...}, "results": [{"strategy", "status", "time_to_target_s",
                "final_accuracy", "utilization" and "busy" (per rank), "bytes_sent",
                "commits", ...}],
-               "speedup_vs": {baseline: its time to target / ashl's}, ...}
+               "speedup_vs": {baseline: its time to target / ashl's},
+               "speedup_interval_vs": {baseline: [low, high], a 90 % bootstrap interval
+               of that ratio over the seeds (3 seeds or more)}, ...}
     e2e.md     the table, as printed
     e2e.png    every strategy's test accuracy against wall time
     e2e.utilization.png   every rank's utilisation, per strategy
@@ -37,6 +39,7 @@ import json
 import math
 import os
 import platform
+import random
 import re
 import shlex
 import shutil
@@ -324,8 +327,59 @@ def speedups(results: Sequence[dict], of: str) -> tuple[dict, dict]:
     return exact, at_least
 
 
+SPEEDUP_LEVEL = 0.9         # the bootstrap interval's coverage
+
+
+def speedup_interval(mine: Sequence[float], other: Sequence[float], *,
+                     level: float = SPEEDUP_LEVEL, resamples: int = 2000,
+                     seed: int = 0) -> Optional[tuple[float, float]]:
+    """How far median(other) / median(mine), times to target over seeds, would move with
+    other seeds: a percentile bootstrap (each side's seeds drawn again with replacement,
+    `resamples` times; the middle `level` of the ratios). inf is a seed that missed the
+    target (a resample whose two medians both missed counts as 1). None with fewer than 3
+    seeds on a side. Deterministic for a `seed`."""
+    if min(len(mine), len(other)) < 3:
+        return None
+    rng = random.Random(seed)
+    ratios = []
+    for _ in range(resamples):
+        a = statistics.median(rng.choices(mine, k=len(mine)))
+        b = statistics.median(rng.choices(other, k=len(other)))
+        ratios.append(1.0 if a == b == math.inf else b / max(a, 1e-9))
+    ratios.sort()
+    tail = int(round((1 - level) / 2 * resamples))
+    return ratios[tail], ratios[resamples - 1 - tail]
+
+
+def _seed_times(result: dict) -> list[float]:
+    """A strategy's times to target, one per seed; inf where a seed missed or failed."""
+    return [math.inf if r.get("status") != "ok" or r.get("time_to_target_s") is None
+            else r["time_to_target_s"] for r in result.get("seeds") or [result]]
+
+
+def speedup_intervals(results: Sequence[dict], of: str) -> dict:
+    """{other: speedup_interval of its seeds over `of`'s}, where both ran 3 seeds or more."""
+    mine = next((r for r in results if r["strategy"] == of), None)
+    if mine is None:
+        return {}
+    out = {}
+    for r in results:
+        if r is not mine:
+            interval = speedup_interval(_seed_times(mine), _seed_times(r))
+            if interval is not None:
+                out[r["strategy"]] = [round(x, 3) if x < math.inf else None for x in interval]
+    return out
+
+
+def _interval_text(interval: Optional[Sequence]) -> str:
+    if not interval:
+        return ""
+    lo, hi = ("inf" if x is None else f"{x:.2f}" for x in interval)
+    return f" [{lo}-{hi}]"
+
+
 def table(results: Sequence[dict], target: float, of: Optional[str],
-          exact: dict, at_least: dict) -> str:
+          exact: dict, at_least: dict, intervals: Optional[dict] = None) -> str:
     head = ["strategy", f"time to {target:g} [s]", "final acc", "util mean", "util min",
             "busy min", "of ideal", "MB sent", "commits", "wall [s]", "overruns"]
     if of:
@@ -349,7 +403,8 @@ def table(results: Sequence[dict], target: float, of: Optional[str],
                 if r["strategy"] == of:
                     row.append("1.00")
                 elif exact.get(r["strategy"]) is not None:
-                    row.append(f"{exact[r['strategy']]:.2f}x")
+                    row.append(f"{exact[r['strategy']]:.2f}x"
+                               + _interval_text((intervals or {}).get(r["strategy"])))
                 elif r["strategy"] in at_least:
                     row.append(f"> {at_least[r['strategy']]:.2f}x")
                 else:
@@ -722,12 +777,14 @@ def write_report(args, setup: Setup, sc: dict, results: list[dict], json_path: s
     names = setup.names
     of = next((s for s in ASHL_FAMILY if s in names), None)
     exact, at_least = speedups(results, of) if of else ({}, {})
+    intervals = speedup_intervals(results, of) if of else {}
     report = {"scenario": sc, "results": results,
               "speedup_of": of, "speedup_vs": exact, "speedup_at_least_vs": at_least,
+              "speedup_interval_vs": intervals, "speedup_interval_level": SPEEDUP_LEVEL,
               "speedups": {s: speedups(results, s)[0] for s in ASHL_FAMILY if s in names}}
     with open(json_path, "w") as f:
         json.dump(report, f, indent=1)
-    md = table(results, args.target_accuracy, of, exact, at_least)
+    md = table(results, args.target_accuracy, of, exact, at_least, intervals)
     scen = (f"{sc['name']}: {args.ranks} ranks, compute x{format_factors(setup.compute)}, "
             f"{_links_text(args, setup)}, {args.model}/{args.dataset}, "
             f"seed{'s' if len(setup.seeds) > 1 else ''} {','.join(map(str, setup.seeds))}")
