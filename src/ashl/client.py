@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -75,7 +75,8 @@ class InFlight:
     t_send: float                  # perf_counter at begin: the link time counts from here
     depart_at: float               # time.monotonic: when it leaves (emulated upload)
     sent: bool = False
-    uploader: Optional[threading.Timer] = None      # sends it at depart_at, beside the steps
+    uploader: Optional[threading.Thread] = None     # sends it at depart_at, beside the steps
+    cancelled: threading.Event = field(default_factory=threading.Event)   # by close()
     upload_error: Optional[BaseException] = None    # what the uploader's send raised
     answer: Optional[protocol.Message] = None
     arrive_at: float = 0.0         # time.monotonic: when its reply may be taken
@@ -104,11 +105,11 @@ class ServerClient:
 
     def begin(self, payload: Payload, commit: Commit, overlapped: bool = True) -> int:
         """Start a commit; its message size. The payload's buffer must stay as it is until
-        its reply. An `overlapped` commit over an emulated link (or a transport whose send
-        blocks) is sent from a thread, at its departure time, while the rank takes its
-        steps, as a real link's upload runs beside the compute (sent at the next step
-        boundary, it came up to a step late); otherwise it leaves now or, over an emulated
-        link, in ``reply``."""
+        its reply. An `overlapped` commit leaves beside the rank's steps, as a real link's
+        upload runs beside the compute: now, or over an emulated link (or a transport whose
+        send blocks) from an uploader thread at its departure time (until 2026-12-06 it left
+        at the first step boundary after that, up to a step late). A blocking commit leaves
+        in ``reply``."""
         if self.inflight is not None:
             raise RuntimeError("a commit is already in flight: take its reply first")
         header = self._header(payload, commit)
@@ -116,23 +117,31 @@ class ServerClient:
                      time.monotonic() + self.hetero.link_delay(header.nbytes))
         self.inflight = f
         if overlapped and (f.depart_at > time.monotonic() or self.end.send_blocks):
-            f.uploader = threading.Timer(max(0.0, f.depart_at - time.monotonic()), self._upload,
-                                         (f,))
-            f.uploader.daemon = True
+            f.uploader = threading.Thread(target=self._upload, args=(f,), name="ashl-upload",
+                                          daemon=True)
             f.uploader.start()
+        elif overlapped:
+            self._send(f)
         return header.nbytes
 
+    def _send(self, f: InFlight) -> None:
+        sleep_until(f.depart_at)
+        self.end.send(f.header, f.payload.buffer)
+        f.sent = True
+
     def _upload(self, f: InFlight) -> None:
-        """The uploader's send. Until it returns, only this thread uses the end (the training
-        thread waits for it before it polls for the reply)."""
+        """The uploader: `f` leaves at its departure time unless cancelled first. Until this
+        returns only this thread uses the end (the training thread waits for it before it
+        polls for the reply)."""
         try:
-            self.end.send(f.header, f.payload.buffer)
-            f.sent = True
+            if not f.cancelled.wait(max(0.0, f.depart_at - time.monotonic())):
+                self._send(f)
         except BaseException as exc:  # noqa: BLE001 - raised in the training thread's reply()
             f.upload_error = exc
 
-    def _sent(self, f: InFlight, wait: bool) -> bool:
-        """Has `f` left (`wait`: once it has)? An uploader's failure is raised here."""
+    def _departed(self, f: InFlight, wait: bool) -> bool:
+        """Has `f` left (`wait`: once it has; a blocking commit leaves here)? What the
+        uploader's send raised is raised here."""
         if f.uploader is not None:
             if not wait and f.uploader.is_alive():
                 return False
@@ -143,17 +152,15 @@ class ServerClient:
         if not f.sent:
             if not wait and time.monotonic() < f.depart_at:
                 return False
-            sleep_until(f.depart_at)
-            self.end.send(f.header, f.payload.buffer)
-            f.sent = True
+            self._send(f)
         return True
 
     def close(self) -> None:
-        """A commit still waiting for its departure (a dropped rank's, the run over) never
-        leaves: the end may close after this."""
-        f = self.inflight
+        """Forget the commit in flight: one still waiting for its departure (a dropped
+        rank's, the run over) never leaves, and the end may close after this."""
+        f, self.inflight = self.inflight, None
         if f is not None and f.uploader is not None:
-            f.uploader.cancel()
+            f.cancelled.set()
             f.uploader.join()
 
     def reply(self, wait: bool) -> Optional[Reply]:
@@ -162,7 +169,7 @@ class ServerClient:
         f = self.inflight
         if f is None:
             raise RuntimeError("no commit in flight")
-        if not self._sent(f, wait):
+        if not self._departed(f, wait):
             return None
         if f.answer is None:
             if not wait and not self.end.poll(0.0):
@@ -172,8 +179,8 @@ class ServerClient:
             f.arrive_at = self.hetero.arrival(h.sent_at, h.nbytes)
             # an emulated link's reply was there at its arrival time, though the rank may
             # look only later, between its steps; a real one's when it is seen here
-            f.link_end = time.perf_counter() + (f.arrive_at - time.monotonic()
-                                                if f.arrive_at else 0.0)
+            ahead = f.arrive_at - time.monotonic() if self.hetero.link is not None else 0.0
+            f.link_end = time.perf_counter() + ahead
         if not wait and time.monotonic() < f.arrive_at:
             return None
         sleep_until(f.arrive_at)
@@ -183,7 +190,7 @@ class ServerClient:
     def _decode(self, f: InFlight) -> Reply:
         """The Reply to `f`, with the plan that follows it."""
         payload, answer, header = f.payload, f.answer, f.header
-        self.last_link_s = f.link_end - f.t_send
+        self.last_link_s = max(0.0, f.link_end - f.t_send)   # clocks of two hosts may differ
         self.last_ratio = payload.nnz / payload.numel if payload.sparse and payload.numel else 1.0
         h = answer.header
         plan = None

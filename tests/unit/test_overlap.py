@@ -172,9 +172,15 @@ class QueueEnd(RankEnd):
 
     def __init__(self, numel, version=7):
         self.numel, self.version, self.queue, self.sent = numel, version, [], []
+        self.sent_at, self.threads = [], []      # when, and from which thread, each left
+        self.error = None                        # what send raises, if set
 
     def send(self, header, payload=None):
+        if self.error is not None:
+            raise self.error
         self.sent.append(header)
+        self.sent_at.append(time.monotonic())
+        self.threads.append(threading.current_thread())
         body = torch.arange(self.numel, dtype=torch.float32)
         self.queue.append((Header(kind=Kind.REPLY, rank=0, stage=Stage.AHL,
                                   base_version=self.version, dtype=DType.FLOAT32,
@@ -213,69 +219,77 @@ def test_client_commit_in_slices_waits_for_the_emulated_departure_and_arrival():
     assert client.inflight is None and client.last_link_s >= 2 * 0.05
 
 
+def linked_client(latency_s: float, end=None):
+    end = end or QueueEnd(N)
+    return end, ServerClient(end, 1, N, heterogeneity=Heterogeneity(
+        link=Link(latency_s=latency_s, bytes_per_s=1e12)))
+
+
+def begin(client):
+    client.begin(Compression.none.compress(torch.zeros(N)), commit_args())
+
+
 def test_an_overlapped_commit_leaves_at_its_departure_time_without_a_poll():
     """Over an emulated link the upload runs beside the rank's steps, as a real link's: the
     commit leaves at its departure time even though the rank does not poll until later
     (before, it left at the first poll after it, up to a step late), and the reply's link
     time is the upload and the download, not the poll's quantum."""
-    end = QueueEnd(N)
-    client = ServerClient(end, 1, N, heterogeneity=Heterogeneity(
-        link=Link(latency_s=0.05, bytes_per_s=1e12)))
-    sent = []
-    send = end.send
-    end.send = lambda header, payload=None: (sent.append(time.monotonic()), send(header))
+    end, client = linked_client(0.1)
     began = time.monotonic()
-    client.begin(Compression.none.compress(torch.zeros(N)), commit_args())
-    assert client.reply(wait=False) is None and not sent          # not departed yet
-    time.sleep(0.3)                                                # a long local step
-    assert len(sent) == 1 and 0.05 <= sent[0] - began < 0.2        # left at 0.05 s, alone
+    begin(client)
+    assert client.reply(wait=False) is None and not end.sent       # not departed yet
+    time.sleep(0.6)                                                 # a long local step
+    assert len(end.sent) == 1 and 0.1 <= end.sent_at[0] - began < 0.5    # at 0.1 s, alone
+    assert end.threads[0] is not threading.current_thread()
     reply = client.reply(wait=False)
     assert reply is not None and reply.accepted and client.inflight is None
-    assert 0.1 <= client.last_link_s < 0.2                         # up, down; not the 0.3 s
+    assert 0.2 <= client.last_link_s < 0.5                          # up, down; not the 0.6 s
 
 
-def test_an_uploaders_failure_is_raised_by_the_reply_and_close_cancels_one_not_gone():
+def test_without_a_link_an_overlapped_commit_leaves_at_once():
+    """Over ZeroMQ (a send that returns at once) and no emulated link: sent by begin, not
+    after the rank's next step."""
     end = QueueEnd(N)
-    client = ServerClient(end, 1, N, heterogeneity=Heterogeneity(
-        link=Link(latency_s=0.02, bytes_per_s=1e12)))
+    client = ServerClient(end, 1, N)
+    begin(client)
+    assert len(end.sent) == 1 and end.threads == [threading.current_thread()]
+    assert client.reply(wait=False).accepted
 
-    def fail(header, payload=None):
-        raise ConnectionError("the server is gone")
 
-    end.send = fail
-    client.begin(Compression.none.compress(torch.zeros(N)), commit_args())
+def test_an_uploaders_failure_is_raised_by_the_reply():
+    end, client = linked_client(0.02)
+    end.error = ConnectionError("the server is gone")
+    begin(client)
     with pytest.raises(ConnectionError, match="the server is gone"):
         client.reply(wait=True)
-    client.inflight = None
-    end.send = lambda header, payload=None: pytest.fail("a cancelled commit left")
-    client.begin(Compression.none.compress(torch.zeros(N)), commit_args())
+
+
+def test_close_cancels_a_commit_that_has_not_left():
+    end, client = linked_client(1.0)
+    begin(client)
+    uploader = client.inflight.uploader
     client.close()
+    assert not uploader.is_alive() and client.inflight is None      # at once, not in 1 s
     time.sleep(0.05)
+    assert not end.sent
+    begin(client)                                                   # nothing in flight now
 
 
 def test_a_blocking_commit_leaves_from_the_callers_thread():
-    end = QueueEnd(N)
-    client = ServerClient(end, 1, N, heterogeneity=Heterogeneity(
-        link=Link(latency_s=0.02, bytes_per_s=1e12)))
-    threads, send = [], end.send
-    end.send = lambda header, payload=None: (threads.append(threading.current_thread()),
-                                             send(header))
+    end, client = linked_client(0.02)
     reply = client.commit(Compression.none.compress(torch.zeros(N)), commit_args())
     assert reply.accepted and client.inflight is None
-    assert threads == [threading.current_thread()]      # no uploader: nothing to overlap
+    assert end.threads == [threading.current_thread()]      # no uploader: nothing to overlap
 
 
 def test_over_a_transport_whose_send_blocks_an_overlapped_commit_is_sent_from_a_thread():
     """MPI's send waits for the transfer: the upload overlaps the steps only from a thread."""
     end = QueueEnd(N)
     end.send_blocks = True
-    threads, send = [], end.send
-    end.send = lambda header, payload=None: (threads.append(threading.current_thread()),
-                                             send(header))
     client = ServerClient(end, 1, N)
-    client.begin(Compression.none.compress(torch.zeros(N)), commit_args())
+    begin(client)
     assert client.reply(wait=True).accepted
-    assert len(threads) == 1 and threads[0] is not threading.current_thread()
+    assert len(end.threads) == 1 and end.threads[0] is not threading.current_thread()
 
 
 def test_client_without_a_link_takes_the_reply_at_the_first_poll():
