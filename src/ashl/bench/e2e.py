@@ -351,10 +351,10 @@ def speedup_interval(mine: Sequence[float], other: Sequence[float], *,
     return ratios[tail], ratios[resamples - 1 - tail]
 
 
-def _seed_times(result: dict) -> list[float]:
-    """A strategy's times to target, one per seed; inf where a seed missed or failed."""
+def _seed_times(runs: Sequence[dict]) -> list[float]:
+    """Times to target, one per run; inf where a run missed the target or failed."""
     return [math.inf if r.get("status") != "ok" or r.get("time_to_target_s") is None
-            else r["time_to_target_s"] for r in result.get("seeds") or [result]]
+            else r["time_to_target_s"] for r in runs]
 
 
 def speedup_intervals(results: Sequence[dict], of: str) -> dict:
@@ -365,7 +365,8 @@ def speedup_intervals(results: Sequence[dict], of: str) -> dict:
     out = {}
     for r in results:
         if r is not mine:
-            interval = speedup_interval(_seed_times(mine), _seed_times(r))
+            interval = speedup_interval(_seed_times(mine.get("seeds") or [mine]),
+                                        _seed_times(r.get("seeds") or [r]))
             if interval is not None:
                 out[r["strategy"]] = [round(x, 3) if x < math.inf else None for x in interval]
     return out
@@ -743,9 +744,7 @@ def combine_seeds(runs: Sequence[dict]) -> dict:
         out["error"] = first.get("error")
         return out
     inf = float("inf")
-    # a seed that failed or timed out did not reach the target either
-    times = sorted(inf if r["status"] != "ok" or r.get("time_to_target_s") is None
-                   else r["time_to_target_s"] for r in runs)
+    times = sorted(_seed_times(runs))   # a seed that failed did not reach the target either
     mid = statistics.median(times)
     out["time_to_target_s"] = None if mid == inf else mid
     out["time_to_target_range"] = [times[0] if times[0] < inf else None,
