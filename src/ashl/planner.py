@@ -9,20 +9,23 @@ Per rank i (all times in seconds):
     c_i   compute time of one local step
     u_i   dense push time (or a latency + bandwidth model and the dense payload size)
     d_i   pull time (always dense)
-    g_i   compression time (charged only in stages that compress)
+    g_i   compression time, measured on the rank's tensors (charged only in stages that
+          compress)
 
 For a stage with bottleneck count k and target ratio r0:
-    C_i = push_i(r0) + d_i (+ g_i if r0 < 1)
-    T   = max_j (k c_j + C_j)                    the bottleneck's round
-    H_i = max(k, floor((T - C_i) / c_i))         floor: nobody's round exceeds T
+    C_i = push_i(r0) + d_i                       the commit's round trip
+    G_i = g_i if r0 < 1 else 0                   the rank's own work on it
+    T   = max_j (k c_j + G_j + C_j)              the bottleneck's round
+    H_i = max(k, floor((T - G_i - C_i) / c_i))   floor: nobody's round exceeds T
     R_i = the ratio whose push fills the rest of T, clipped to [r0, 1]
     D_i = H_i / sum_j H_j                        exact fraction
 
 With overlapped commits (``PlannerConfig.overlap``) a rank's next round's steps run while its
-commit travels, so its round costs max(H c_i, C_i) instead of H c_i + C_i
-(``round_seconds``): T = max_j max(k c_j, C_j), H_i = max(k, floor(T / c_i)) (the
-bottleneck too: a link-bound round has room for more steps), and only the communication
-not hidden behind the steps counts against the budget (``exposed_comm``).
+commit travels, so its round costs G_i + max(H c_i, C_i) instead of H c_i + G_i + C_i
+(``round_seconds``): T = max_j (G_j + max(k c_j, C_j)), H_i = max(k, floor((T - G_i) / c_i))
+(the bottleneck too: a link-bound round has room for more steps), and only G_i and the
+communication not hidden behind the steps count against the budget (``exposed_comm``).
+G_i is never hidden: the rank compresses on the thread that takes its steps.
 """
 
 from __future__ import annotations
@@ -508,54 +511,62 @@ def _merge_weights(shares: Sequence[Fraction], local_steps: Sequence[int],
     raise ValueError(f"unknown weighting {weighting!r}; expected one of {WEIGHTINGS}")
 
 
-def round_seconds(steps: int, compute_s: float, comm_s: float, overlap: bool = False) -> float:
-    """A rank's round: its steps, then its commit's round trip; with overlap the longer of
-    the two (the commit travels while the next round's steps run, and the rank waits at its
-    round's end only for what is left of the trip)."""
+def round_seconds(steps: int, compute_s: float, comm_s: float, overlap: bool = False,
+                  own_s: float = 0.0) -> float:
+    """A rank's round: its steps, its own work on the commit (`own_s`: building and
+    compressing the delta, on the thread that takes the steps), then the commit's round
+    trip; with overlap the trip runs beside the next round's steps, and the rank waits at
+    their end only for what is left of it."""
     busy = steps * compute_s
-    return max(busy, comm_s) if overlap else busy + comm_s
+    return own_s + (max(busy, comm_s) if overlap else busy + comm_s)
 
 
 def steps_that_fit(round_s: float, compute_s: float, comm_s: float, overlap: bool = False,
-                   rounding: str = "floor", tolerance: float = 0.0) -> int:
+                   rounding: str = "floor", tolerance: float = 0.0, own_s: float = 0.0) -> int:
     """The most local steps whose round (``round_seconds``) fits in `round_s`; one more when
     it misses by no more than `tolerance` of the steps' time (what measured step times are
     accurate to: 7.999 steps are 8)."""
-    room = round_s if overlap else round_s - comm_s
+    room = round_s - own_s - (0.0 if overlap else comm_s)
     x = room / compute_s
     h = round_local_steps(x, rounding)
     up = math.ceil(x)
     return up if h < up <= x * (1 + tolerance) else h
 
 
-def exposed_comm(steps: int, compute_s: float, comm_s: float, overlap: bool = False) -> float:
-    """The part of a round spent waiting for communication: all of it, or with overlap what
-    the steps do not hide."""
-    return max(0.0, comm_s - steps * compute_s) if overlap else comm_s
+def exposed_comm(steps: int, compute_s: float, comm_s: float, overlap: bool = False,
+                 own_s: float = 0.0) -> float:
+    """The part of a round that is not steps: the rank's own work on the commit, and the
+    communication (all of it, or with overlap what the steps do not hide)."""
+    return own_s + (max(0.0, comm_s - steps * compute_s) if overlap else comm_s)
+
+
+def _zeros_if_none(own: Sequence[float] | None, n: int) -> Sequence[float]:
+    return (0.0,) * n if own is None else own
 
 
 def rank_steps(compute: Sequence[float], comm: Sequence[float], k: int, rounding: str = "floor",
-               cap: int | None = None, overlap: bool = False, tolerance: float = 0.0
-               ) -> tuple[int, tuple[int, ...]]:
+               cap: int | None = None, overlap: bool = False, tolerance: float = 0.0,
+               own: Sequence[float] | None = None) -> tuple[int, tuple[int, ...]]:
     """(bottleneck, H): the rank with the longest round at k steps gets k; every other rank
     the most steps (>= k, <= cap) that fit the bottleneck's round (give or take `tolerance`
     of it). With overlap the bottleneck too (its round may be its link's, with room for
-    more than k steps)."""
-    rounds = [round_seconds(k, c, cm, overlap) for c, cm in zip(compute, comm)]
+    more than k steps). `own`: each rank's own work per commit (``round_seconds``)."""
+    own = _zeros_if_none(own, len(compute))
+    rounds = [round_seconds(k, c, cm, overlap, o) for c, cm, o in zip(compute, comm, own)]
     b = max(range(len(rounds)), key=lambda i: (rounds[i], -i))
     target = rounds[b]
     steps = []
-    for i, (c, cm) in enumerate(zip(compute, comm)):
+    for i, (c, cm, o) in enumerate(zip(compute, comm, own)):
         h = k if i == b and not overlap else max(k, steps_that_fit(target, c, cm, overlap,
-                                                                   rounding, tolerance))
+                                                                   rounding, tolerance, o))
         steps.append(h if cap is None else min(h, cap))
     return b, tuple(steps)
 
 
 def bottleneck_steps(compute: Sequence[float], comm: Sequence[float], k_max: int,
                      comm_budget: float | None, rounding: str = "floor",
-                     cap: int | None = None, overlap: bool = False, tolerance: float = 0.0
-                     ) -> tuple[int, int, tuple[int, ...]]:
+                     cap: int | None = None, overlap: bool = False, tolerance: float = 0.0,
+                     own: Sequence[float] | None = None) -> tuple[int, int, tuple[int, ...]]:
     """(k, bottleneck, H): the fewest local steps k <= k_max for the bottleneck such that its
     communication is at most `comm_budget` of its round and no rank, its H_i rounded to whole
     steps, idles for more than `comm_budget` of the round. Cheap communication on equal ranks
@@ -564,21 +575,24 @@ def bottleneck_steps(compute: Sequence[float], comm: Sequence[float], k_max: int
     fixed rule: k = k_max."""
     candidates = range(1, k_max + 1) if comm_budget is not None else (k_max,)
     for k in candidates:
-        b, steps = rank_steps(compute, comm, k, rounding, cap, overlap, tolerance)
+        b, steps = rank_steps(compute, comm, k, rounding, cap, overlap, tolerance, own)
         if (comm_budget is None or k == k_max
-                or within_budget(compute, comm, b, steps, comm_budget, overlap)):
+                or within_budget(compute, comm, b, steps, comm_budget, overlap, own)):
             return k, b, steps
     raise AssertionError("unreachable")   # k_max >= 1 is validated
 
 
 def within_budget(compute: Sequence[float], comm: Sequence[float], bottleneck: int,
-                  steps: Sequence[int], budget: float, overlap: bool = False) -> bool:
-    """Does the bottleneck's communication (with overlap: what its steps do not hide), and
-    every rank's idle time, stay within `budget` of the round?"""
-    rounds = [round_seconds(h, c, cm, overlap) for h, c, cm in zip(steps, compute, comm)]
+                  steps: Sequence[int], budget: float, overlap: bool = False,
+                  own: Sequence[float] | None = None) -> bool:
+    """Does the bottleneck's time outside its steps (``exposed_comm``), and every rank's
+    idle time, stay within `budget` of the round?"""
+    own = _zeros_if_none(own, len(compute))
+    rounds = [round_seconds(h, c, cm, overlap, o)
+              for h, c, cm, o in zip(steps, compute, comm, own)]
     longest = max(rounds)
     b = bottleneck
-    return (exposed_comm(steps[b], compute[b], comm[b], overlap) <= budget * rounds[b]
+    return (exposed_comm(steps[b], compute[b], comm[b], overlap, own[b]) <= budget * rounds[b]
             and all(longest - r <= budget * longest for r in rounds))
 
 
@@ -592,16 +606,17 @@ def _dense_fits(profiles, compute, pull, k_max, r0, cap, config) -> bool:
         return False
     overlap = config.overlap
 
-    def plan(comm):
+    def plan(comm, own):
         k, b, steps = bottleneck_steps(compute, comm, k_max, budget, config.rounding, cap,
-                                       overlap, config.floor_tolerance)
-        longest = max(round_seconds(h, c, cm, overlap) for h, c, cm in zip(steps, compute, comm))
+                                       overlap, config.floor_tolerance, own)
+        longest = max(round_seconds(h, c, cm, overlap, o)
+                      for h, c, cm, o in zip(steps, compute, comm, own))
         return k, b, steps, longest
 
     dense = [push_seconds(p, 1.0, config) + d for p, d in zip(profiles, pull)]
-    sparse = [push_seconds(p, r0, config) + d + float(p.compress_s) for p, d in zip(profiles, pull)]
-    k, b, steps, round_dense = plan(dense)
-    k_sparse, _, _, round_sparse = plan(sparse)
+    sparse = [push_seconds(p, r0, config) + d for p, d in zip(profiles, pull)]
+    k, b, steps, round_dense = plan(dense, (0.0,) * len(profiles))
+    k_sparse, _, _, round_sparse = plan(sparse, [float(p.compress_s) for p in profiles])
     return (k <= k_sparse and within_budget(compute, dense, b, steps, budget, overlap)
             and round_dense <= round_sparse * (1 + config.floor_tolerance) / (1 - budget))
 
@@ -615,17 +630,18 @@ def plan_stage(profiles: Sequence[RankProfile], config: PlannerConfig, stage: st
     if r0 < 1 and _dense_fits(profiles, compute, pull, k_max, r0, cap, config):
         r0 = 1.0      # a dense commit already costs little: top-k would only lose information
     compressing = r0 < 1
+    # compressing is the rank's own work, on the thread that takes its steps: never hidden
     compress = [float(p.compress_s) if compressing else 0.0 for p in profiles]
-    comm = [push_seconds(p, r0, config) + d + g for p, d, g in zip(profiles, pull, compress)]
+    comm = [push_seconds(p, r0, config) + d for p, d in zip(profiles, pull)]
 
     overlap = config.overlap
     k, bottleneck, local_steps = bottleneck_steps(compute, comm, k_max, config.comm_budget,
                                                   config.rounding, cap, overlap,
-                                                  config.floor_tolerance)
+                                                  config.floor_tolerance, compress)
 
     # The longest round after rounding (only differs from target with half_up/half_even).
-    busy = [round_seconds(h, c, cm, overlap) for c, h, cm in zip(compute, local_steps, comm)]
-    longest = max(busy)
+    longest = max(round_seconds(h, c, cm, overlap, g)
+                  for c, h, cm, g in zip(compute, local_steps, comm, compress))
     ratios = []
     for i, p in enumerate(profiles):
         if not compressing:
@@ -638,8 +654,8 @@ def plan_stage(profiles: Sequence[RankProfile], config: PlannerConfig, stage: st
             budget = longest - steps_s - pull[i] - compress[i]
             ratios.append(_ratio_for_budget(p, budget, r0, config))
     rank_round = tuple(round_seconds(local_steps[i], compute[i],
-                                     push_seconds(p, ratios[i], config) + pull[i] + compress[i],
-                                     overlap) for i, p in enumerate(profiles))
+                                     push_seconds(p, ratios[i], config) + pull[i], overlap,
+                                     compress[i]) for i, p in enumerate(profiles))
     round_s = max(rank_round)
     idle = tuple(max(0.0, (round_s - r) / round_s) for r in rank_round)
 

@@ -590,3 +590,52 @@ def test_overlap_must_be_a_bool():
 def test_a_plan_with_overlap_round_trips_through_json():
     plan = make_plan(_profiles([(0.1, 0.05, 0.05), (0.2, 0.1, 0.1)]), PlannerConfig(overlap=True))
     assert Plan.from_json(plan.to_json()) == plan
+
+
+# ------------------------------------------------------- the rank's own work per commit
+@given(st.integers(1, 64), seconds, seconds, st.floats(0.0, 1.0), st.booleans())
+def test_a_ranks_own_work_on_its_commit_is_never_hidden(h, c, comm, own, overlap):
+    # compressing runs on the thread that takes the steps: overlap hides the trip, not it
+    assert round_seconds(h, c, comm, overlap, own) == pytest.approx(
+        own + round_seconds(h, c, comm, overlap))
+    assert exposed_comm(h, c, comm, overlap, own) == pytest.approx(
+        own + exposed_comm(h, c, comm, overlap))
+
+
+@given(seconds, seconds, seconds, st.floats(0.0, 0.5), st.booleans())
+def test_steps_that_fit_leave_room_for_the_own_work(round_s, c, comm, own, overlap):
+    h = steps_that_fit(round_s, c, comm, overlap, own_s=own)
+    if comm + own <= round_s:
+        assert round_seconds(h, c, comm, overlap, own) <= round_s * (1 + 1e-6)
+        assert round_seconds(h + 1, c, comm, overlap, own) > round_s
+
+
+def test_compressing_that_costs_more_than_it_saves_is_planned_dense():
+    # The homogeneous 50 ms demo as profiled: four equal ranks, a 37 ms dense push and pull,
+    # a top-k pack of 18-34 ms on two loaded cores. Planned as if compressing were free and
+    # hidden, SHL sent top-k every step; each pack then held its rank for a third of a
+    # step and the ranks delivered 67% of the ideal throughput (docs/BENCHMARKS.md).
+    free = [RankProfile(compute_s=0.05, push_s=0.037, pull_s=0.037)] * 4
+    config = PlannerConfig(overlap=True)
+    shl = plan_stage(free, config, SHL)
+    assert shl.target_ratio == 0.1 and shl.local_steps == (1, 1, 1, 1)
+    measured = [dataclasses.replace(p, compress_s=g) for p, g in zip(free, (0.018, 0.018,
+                                                                            0.033, 0.034))]
+    shl = plan_stage(measured, config, SHL)
+    assert shl.target_ratio == 1.0 and shl.local_steps == (2, 2, 2, 2)
+    assert shl.round_s == pytest.approx(0.1)
+    # 10 ms would hide behind a 44 ms top-k trip (under 50 ms of steps) if the planner let
+    # it; on the rank's own thread it is a fifth of a step every step
+    cheap = [dataclasses.replace(p, compress_s=0.01) for p in free]
+    shl = plan_stage(cheap, config, SHL)
+    assert shl.target_ratio == 1.0 and shl.local_steps == (2, 2, 2, 2)
+
+
+def test_the_compressing_bottleneck_pays_its_own_work_in_its_round():
+    # the benchmark's factor-4 rank: a 0.8 s step, top-k at k = 1, a 30 ms pack
+    profiles = [RankProfile(compute_s=c, push_s=u, pull_s=u, compress_s=0.03)
+                for c, u in ((0.2, 0.1455), (0.2, 0.1455), (0.4, 0.2935), (0.8, 0.5842))]
+    shl = plan_stage(profiles, PlannerConfig(overlap=True), SHL)
+    assert shl.local_steps == (4, 4, 2, 1) and shl.bottleneck == 3
+    assert shl.round_s == pytest.approx(0.83)
+    assert shl.rank_round_s[3] == pytest.approx(0.03 + 0.8)

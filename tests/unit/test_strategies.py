@@ -716,3 +716,31 @@ def test_parameter_server_ranks_resumed_in_other_epochs_take_the_runs_shares_tog
     assert planned != (45, 45) and before0 == planned and before1 == (45, 45)
     assert at6_0 == at6_1 == planned          # from epoch 5 + 1 on, every rank the run's
     assert at5_1 == (45, 45)                  # rank 1's resumed epoch as it began it
+
+
+@pytest.mark.parametrize("compression,measured", [(None, True), (Compression.fp16, False)])
+def test_ashl_profiles_the_top_k_it_may_send_on_each_ranks_own_tensors(compression, measured):
+    """g_i (the planner's compress_s) is timed on the rank's own tensors at the plan's target
+    ratio, and leaves the rank's error feedback as it was; a forced compressor never sends
+    the plan's top-k, so nothing is timed."""
+    def run(comm, hvd):
+        model, x, y = model_and_data(comm.Get_rank())
+        opt = wrapped("ashl", comm, None, model, profile_steps=3, eval_every_s=0,
+                      compression=compression, stage_config=StageConfig(max_commits=6))
+        strategy = opt.strategy
+        original = strategy.compression_samples
+        seen = {}
+
+        def recorded(*args, **kwargs):
+            samples = original(*args, **kwargs)
+            seen["residual"] = (None if strategy.residual is None
+                                else strategy.residual.flat.clone())
+            return samples
+        strategy.compression_samples = recorded
+        train(opt, model, x, y)
+        return opt.plan.profiles[comm.Get_rank()].compress_s, seen
+
+    for compress_s, seen in FakeWorld(2).run(run):
+        assert (compress_s > 0) == measured
+        if measured:
+            assert torch.count_nonzero(seen["residual"]) == 0

@@ -27,7 +27,8 @@ class AshlStrategy(ServerStrategy):
     def _make_plan(self) -> None:
         """Collective: every rank's profile (its timed steps and a measured commit), the plan
         on the server rank, broadcast; the server starts before anyone commits."""
-        profile = self.measured_profile(self.mc, protocol.HEADER_SIZE + 4 * self.numel)
+        profile = self.measured_profile(self.mc, protocol.HEADER_SIZE + 4 * self.numel,
+                                        compress=self.compression_samples())
         if self.is_server:
             self._start_server(self.flat_model(self.anchors))
         plan = self.mc.establish_plan(profile, self.current_epoch())

@@ -29,7 +29,7 @@ import sys
 import time
 import warnings
 from concurrent.futures import Future
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -734,13 +734,15 @@ class Strategy:
                     cleared += 1
         return cleared
 
-    def measured_profile(self, mc, payload_bytes: int):
-        """This rank's profile (collective): its timed steps, and its link measured with a
-        real message of `payload_bytes`, plus any emulated link delay."""
+    def measured_profile(self, mc, payload_bytes: int, compress: Sequence[float] = ()):
+        """This rank's profile (collective): its timed steps, its link measured with a real
+        message of `payload_bytes` plus any emulated link delay, and `compress` (timed
+        compressions, the first a warm-up) when it has any."""
         push, pull = mc.measure_link(payload_bytes)
         emulated = self.hetero.link_delay(payload_bytes)
         self.profiler.extend("push", [push.mean + emulated])
         self.profiler.extend("pull", [pull.mean + emulated])
+        self.profiler.extend("compress", compress)
         return self.profiler.profile(min_warmup=1)
 
     def flat_model(self, tensors=None) -> torch.Tensor:

@@ -282,6 +282,33 @@ class ServerStrategy(Strategy):
             return Compression.topk(ratio)
         return Compression.none
 
+    def compression_samples(self, repeats: int = 3) -> list[float]:
+        """Seconds to build this rank's top-k delta at the plan's target ratio, timed on its
+        own tensors (the first call is warm-up): the planner's g_i, which a stage that
+        compresses adds to every round. Nothing when the plan never compresses: a forced
+        compressor, parameters without error feedback, or dense targets."""
+        cfg = self.planner_config
+        ratio = min(cfg.shl_target_ratio, cfg.ahl_target_ratio)
+        if ratio >= 1 or self.compression is not None or self.residual is None:
+            return []
+        compressor = Compression.topk(ratio)
+        if self.scratch is None:
+            self.scratch = torch.empty(self.numel, dtype=torch.float32, device=self.device)
+        out = torch.empty(compressor.max_nbytes(self.numel), dtype=torch.uint8,
+                          device=self.device)
+        error_feedback = Residual(self.tensors)   # zeros: the rank's own stays as it is
+        samples = []
+        def synchronize():
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
+        for _ in range(1 + repeats):
+            synchronize()
+            t0 = time.perf_counter()
+            compressor.pack(self.tensors, self.anchors, error_feedback, self.scratch, out)
+            synchronize()
+            samples.append(time.perf_counter() - t0)
+        return samples
+
     def _server_error(self) -> Optional[BaseException]:
         return None if self.server is None else self.server.error
 
