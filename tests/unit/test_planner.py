@@ -614,7 +614,8 @@ def test_compressing_that_costs_more_than_it_saves_is_planned_dense():
     # The homogeneous 50 ms demo as profiled: four equal ranks, a 37 ms dense push and pull,
     # a top-k pack of 18-34 ms on two loaded cores. Planned as if compressing were free and
     # hidden, SHL sent top-k every step; each pack then held its rank for a third of a
-    # step and the ranks delivered 67% of the ideal throughput (docs/BENCHMARKS.md).
+    # step and the ranks delivered 71% of the ideal throughput (median of 3 seeds,
+    # docs/BENCHMARKS.md).
     free = [RankProfile(compute_s=0.05, push_s=0.037, pull_s=0.037)] * 4
     config = PlannerConfig(overlap=True)
     shl = plan_stage(free, config, SHL)

@@ -495,12 +495,16 @@ class Strategy:
             self.clock.restart()
             self._start()
 
-    def after_step(self, loss) -> None:
+    def wait_for_device(self) -> None:
+        """Block until the kernels queued on this rank's device have run: what is timed on
+        the host's clock must have happened, not just been queued."""
         if self.device.type == "cuda":
-            # A step is timed on the host's clock (the profile, the round's mean for drift):
-            # its kernels must have run, not just been queued. One wait a step, where the
-            # loop's own loss.item() would wait anyway.
             torch.cuda.current_stream(self.device).synchronize()
+
+    def after_step(self, loss) -> None:
+        # A step is timed on the host's clock (the profile, the round's mean for drift). One
+        # wait a step, where the loop's own loss.item() would wait anyway.
+        self.wait_for_device()
         dt = self.clock.step_done(self.slowdown)
         self.local_steps += 1
         self.round_steps += 1

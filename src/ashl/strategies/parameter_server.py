@@ -298,14 +298,11 @@ class ServerStrategy(Strategy):
                           device=self.device)
         error_feedback = Residual(self.tensors)   # zeros: the rank's own stays as it is
         samples = []
-        def synchronize():
-            if self.device.type == "cuda":
-                torch.cuda.current_stream(self.device).synchronize()
         for _ in range(1 + repeats):
-            synchronize()
+            self.wait_for_device()
             t0 = time.perf_counter()
             compressor.pack(self.tensors, self.anchors, error_feedback, self.scratch, out)
-            synchronize()
+            self.wait_for_device()
             samples.append(time.perf_counter() - t0)
         return samples
 
