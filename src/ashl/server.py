@@ -444,6 +444,16 @@ class ParameterServer:
         if self.cuda_stream is not None:
             torch.cuda.current_stream(self.model.device).wait_stream(self.cuda_stream)
 
+    def model_copy(self, device) -> torch.Tensor:
+        """A copy of the global model on `device`, while the server thread runs (under its
+        lock): taken on the server's stream after the merges queued there, and complete
+        before the lock is released, so no later merge can reach it."""
+        with self.stream():
+            copy = self.model.to(device, copy=True)
+        if self.cuda_stream is not None:
+            self.cuda_stream.synchronize()
+        return copy
+
     def snapshot(self) -> tuple[torch.Tensor, dict]:
         """The global model and the outer optimizer's state in host memory, while the server
         thread runs (under its lock): copied on the server's stream, after the merges

@@ -107,7 +107,7 @@ def test_a_call_while_one_is_in_flight_waits_instead_of_overwriting_its_snapshot
 
 @pytest.mark.parametrize("strategy, extra", [
     ("localsgd", {"local_steps": 2}),     # evaluated after a round, taken at the next exchange
-    ("ashl", {"profile_steps": 3}),       # evaluated as the server's reply lands, taken later
+    ("ashl", {"profile_steps": 3}),       # the global model evaluated between steps, taken later
 ])
 def test_a_run_stopped_by_a_background_evaluation_keeps_the_model_it_evaluated(strategy, extra):
     def rank_fn(comm, hvd):
@@ -147,6 +147,56 @@ def test_a_run_stopped_by_a_background_evaluation_keeps_the_model_it_evaluated(s
     assert torch.equal(results[0]["flat"], results[1]["flat"])
     assert len(results[0]["evaluated"]) == 3          # none started once the run stopped
     assert torch.equal(results[0]["flat"], results[0]["evaluated"][2])
+
+
+def _flat(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
+
+
+def _adsp_rank_committing_once(evaluating: bool) -> dict:
+    """One adsp rank that commits after its first step and then not for 1000 s."""
+    def rank_fn(comm, hvd):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        g = torch.Generator().manual_seed(1)
+        x, y = torch.randn(64, 4, generator=g), torch.randint(0, 3, (64,), generator=g)
+        seen = []
+
+        def evaluate():
+            seen.append(_flat(model))
+            return 0.1
+
+        opt = ashl.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model=model,
+            strategy="adsp", comm=comm, evaluate=evaluate if evaluating else None,
+            eval_every_s=0, min_commit_interval_s=1000, search=False,
+            stage_config=StageConfig(max_commits=10_000))
+        after = []
+        for step in range(12):
+            opt.zero_grad()
+            i = (step * 8) % 64
+            torch.nn.functional.cross_entropy(model(x[i:i + 8]), y[i:i + 8]).backward()
+            opt.step()
+            after.append(_flat(model))
+        commits = opt.counters()["commits"]
+        opt.finish()
+        return {"seen": seen, "after": after, "commits": commits}
+
+    return FakeWorld(1).run(rank_fn)[0]
+
+
+def test_the_server_rank_evaluates_the_global_model_between_steps_and_keeps_its_own():
+    """On a clock, not at its replies: a rank that has not committed since its first step
+    still evaluates after every step (eval_every_s=0), each time the global model W, not
+    the model it trains; its own comes back after each call, so its steps end where those
+    of a run without evaluations end."""
+    r, plain = _adsp_rank_committing_once(True), _adsp_rank_committing_once(False)
+    global_model = r["after"][0]          # the first step's commit was answered with W
+    assert r["commits"] == plain["commits"] == 1
+    assert len(r["seen"]) == 11           # after each later step
+    assert all(torch.equal(w, global_model) for w in r["seen"])
+    assert not torch.equal(r["after"][-1], global_model)
+    assert all(torch.equal(a, b) for a, b in zip(r["after"], plain["after"]))
 
 
 def test_the_copy_takes_every_buffer_and_holds_no_more_than_the_model():

@@ -202,12 +202,17 @@ class Evaluations:
         self.start()
         return self.take(wait=True)
 
+    def due(self) -> bool:
+        """An evaluation would start now: there is a callback, none is in flight, and
+        ``every_s`` has passed since the last one started."""
+        return (self.evaluate is not None and not self.closed and self.pending is None
+                and time.monotonic() - self.last_at >= self.every_s)
+
     def start(self, save: Optional[Callable[[], object]] = None) -> bool:
         """Start an evaluation of the model held now if one is due and none is in flight.
         For one that runs in the background, `save()` keeps what the strategy needs if its
         result ends the run (one returned at once is taken while that model is still held)."""
-        if (self.evaluate is None or self.closed or self.pending is not None
-                or time.monotonic() - self.last_at < self.every_s):
+        if not self.due():
             return False
         self.last_at = time.monotonic()
         t0 = time.perf_counter()

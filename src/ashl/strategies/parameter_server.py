@@ -209,6 +209,7 @@ class ServerStrategy(Strategy):
         self.residual = Residual(self.tensors) if all(
             t.dtype == torch.float32 for t in self.tensors) else None
         self.scratch: Optional[torch.Tensor] = None  # fp32 delta for compressors that need it
+        self._held = None    # the server rank's own model while the global one is evaluated
         self.server: Optional[ServerThread] = None
         self.version = 0                     # global version of the model we hold
         self.round_base = 0                  # the version this round's steps started from
@@ -421,7 +422,6 @@ class ServerStrategy(Strategy):
         self.round_base = self.version
         self.round_span(start, steps=steps, stage=stage.value, bytes=reply.bytes_sent,
                         accepted=reply.accepted, version=self.version)
-        self._evaluate()
 
     # --------------------------------------------------------------- overlapped commits
     def _send_overlapped(self, payload, commit: Commit, start: float, stage: Stage) -> None:
@@ -441,14 +441,18 @@ class ServerStrategy(Strategy):
         self._flight = (start, stage, commit.number)
 
     def _between_steps(self) -> None:
-        """After every local step: take the in-flight commit's reply if it has arrived, and
-        a background evaluation's result once it is done."""
-        if self.client.inflight is None and self.evaluations.pending is None:
+        """After every local step: take the in-flight commit's reply if it has arrived; on
+        the server rank, evaluate the global model if an evaluation is due, and take a
+        background evaluation's result once it is done."""
+        due = self.is_server and self.server is not None and self.evaluations.due()
+        if self.client.inflight is None and self.evaluations.pending is None and not due:
             return
         t0, evals = time.perf_counter(), self.evaluations.spent_s
         if self.client.inflight is not None:
             self.overlap_counts["overlapped_steps"] += 1   # the step just taken overlapped it
             self._land(wait=False)
+        if due:
+            self._evaluate_global_model()
         self._take_evaluation()
         evaluating = self.evaluations.spent_s - evals
         self.clock.exclude(time.perf_counter() - t0 - evaluating)
@@ -457,7 +461,7 @@ class ServerStrategy(Strategy):
     def _land(self, wait: bool) -> bool:
         """The in-flight commit's reply, if it is here (`wait`: once it is): w <- W + (w -
         w_sent), anchor <- W (overlap.py), unless it was rejected or ended the run (then W
-        alone, as without overlap). The server rank evaluates W itself in between."""
+        alone, as without overlap)."""
         t0 = time.perf_counter()
         reply = self.client.reply(wait=wait)
         if reply is None:
@@ -473,7 +477,6 @@ class ServerStrategy(Strategy):
         self.timeline.span("commit", start, time.time(), stage=stage.value, overlapped=True,
                            bytes=reply.bytes_sent, accepted=reply.accepted,
                            version=self.version, commit=number)
-        self._evaluate()
         if keep:
             add_progress(self.tensors, self.sent)
         return True
@@ -511,14 +514,29 @@ class ServerStrategy(Strategy):
                      "the server had dropped this rank as lost" if reply.dropped
                      else "the server ended the run" if reply.stop and not final else None)
 
-    def _evaluate(self) -> None:
-        """Server rank, on the model just received (W): start an evaluation if one is due.
-        It may run in the background; its result is taken between later steps."""
-        if self.finished or not self.is_server:
-            return
-        keep = self.stage_config.target_accuracy is not None
-        self.evaluations.start(save=self.flat_model if keep else None)
-        self._take_evaluation()       # one that returned at once
+    def _evaluate_global_model(self) -> None:
+        """Server rank, between steps: start an evaluation of the global model W as the
+        server holds it now. On a clock, not at this rank's replies, so a strategy that
+        commits every few seconds is evaluated as often as one that commits every step.
+        The callback sees W in the model; this rank's own model is put back after it
+        returns (a background evaluation has copied W by then)."""
+        server = self.server.server
+        with self.mc.lock:
+            if self.finished or self.mc.coordinator.machine.done:
+                return      # the run is ending: nothing evaluated now could change that
+            global_model = server.model_copy(self.device)
+        if self._held is None:
+            self._held = kernels.clone_tensors(self.tensors)
+        held, live = kernels.flat_forms(self._held, self.tensors)
+        with torch.no_grad():
+            torch._foreach_copy_(list(held), list(live))
+            torch._foreach_copy_(list(live), kernels.views_like(global_model, live))
+            try:
+                keep = self.stage_config.target_accuracy is not None
+                self.evaluations.start(save=(lambda: global_model) if keep else None)
+                self._take_evaluation()   # one that returned at once, while W is held
+            finally:
+                torch._foreach_copy_(list(live), list(held))
 
     def _take_evaluation(self) -> None:
         """A finished evaluation's accuracy goes to the coordinator: a target met stops the
