@@ -452,6 +452,9 @@ class ParameterServer:
             copy = self.model.to(device, copy=True)
         if self.cuda_stream is not None:
             self.cuda_stream.synchronize()
+            if copy.is_cuda:    # made on the server's stream, used on the caller's: the
+                # allocator must not hand its memory to the server before the caller is done
+                copy.record_stream(torch.cuda.current_stream(copy.device))
         return copy
 
     def snapshot(self) -> tuple[torch.Tensor, dict]:

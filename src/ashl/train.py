@@ -606,8 +606,8 @@ class Run:
             raise OptionError(f"--resume: {failed[0]}")
 
     def on_evaluate(self):
-        """The strategy's callback (rank 0): test accuracy of the model it just received, or
-        (in the background) a Future of it."""
+        """The strategy's callback (rank 0): test accuracy of the global model, in the model
+        for this call, or (in the background) a Future of it."""
         return self.evaluate_now("strategy")
 
     def evaluate_now(self, by: str):

@@ -149,53 +149,71 @@ def test_a_run_stopped_by_a_background_evaluation_keeps_the_model_it_evaluated(s
     assert torch.equal(results[0]["flat"], results[0]["evaluated"][2])
 
 
-def _flat(model):
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
-
-
-def _adsp_rank_committing_once(evaluating: bool) -> dict:
-    """One adsp rank that commits after its first step and then not for 1000 s."""
+def _adsp_rank_committing_once(evaluating: bool, flat_storage: bool = True,
+                               fail_at: int = 0) -> dict:
+    """One adsp rank that commits after its first step and then not for 1000 s; a model
+    with BatchNorm buffers, stored flat or not; the callback raises on its `fail_at`-th call."""
     def rank_fn(comm, hvd):
         torch.manual_seed(0)
-        model = torch.nn.Linear(4, 3)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6),
+                                    torch.nn.Linear(6, 3))
         g = torch.Generator().manual_seed(1)
         x, y = torch.randn(64, 4, generator=g), torch.randint(0, 3, (64,), generator=g)
-        seen = []
+        seen, raised = [], []
 
         def evaluate():
-            seen.append(_flat(model))
+            seen.append(_state(model))
+            if len(seen) == fail_at:
+                raise RuntimeError("the user's evaluation failed")
             return 0.1
 
         opt = ashl.DistributedOptimizer(
             torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model=model,
             strategy="adsp", comm=comm, evaluate=evaluate if evaluating else None,
             eval_every_s=0, min_commit_interval_s=1000, search=False,
-            stage_config=StageConfig(max_commits=10_000))
+            flat_storage=flat_storage, stage_config=StageConfig(max_commits=10_000))
         after = []
         for step in range(12):
             opt.zero_grad()
             i = (step * 8) % 64
             torch.nn.functional.cross_entropy(model(x[i:i + 8]), y[i:i + 8]).backward()
-            opt.step()
-            after.append(_flat(model))
+            try:
+                opt.step()
+            except RuntimeError as e:
+                raised.append(str(e))
+            after.append(_state(model))
         commits = opt.counters()["commits"]
         opt.finish()
-        return {"seen": seen, "after": after, "commits": commits}
+        return {"seen": seen, "after": after, "commits": commits, "raised": raised}
 
     return FakeWorld(1).run(rank_fn)[0]
 
 
-def test_the_server_rank_evaluates_the_global_model_between_steps_and_keeps_its_own():
+def _state(model):
+    """Parameters and floating-point buffers (BatchNorm's running statistics), flat."""
+    return torch.cat([t.detach().reshape(-1) for t in model.state_dict().values()
+                      if t.is_floating_point()]).clone()
+
+
+@pytest.mark.parametrize("flat_storage", [True, False])
+def test_the_server_rank_evaluates_the_global_model_between_steps_and_keeps_its_own(flat_storage):
     """On a clock, not at its replies: a rank that has not committed since its first step
     still evaluates after every step (eval_every_s=0), each time the global model W, not
     the model it trains; its own comes back after each call, so its steps end where those
     of a run without evaluations end."""
-    r, plain = _adsp_rank_committing_once(True), _adsp_rank_committing_once(False)
+    r = _adsp_rank_committing_once(True, flat_storage)
+    plain = _adsp_rank_committing_once(False, flat_storage)
     global_model = r["after"][0]          # the first step's commit was answered with W
     assert r["commits"] == plain["commits"] == 1
     assert len(r["seen"]) == 11           # after each later step
     assert all(torch.equal(w, global_model) for w in r["seen"])
     assert not torch.equal(r["after"][-1], global_model)
+    assert all(torch.equal(a, b) for a, b in zip(r["after"], plain["after"]))
+
+
+def test_an_evaluation_that_raises_leaves_the_rank_its_own_model():
+    r, plain = _adsp_rank_committing_once(True, fail_at=3), _adsp_rank_committing_once(False)
+    assert r["raised"] == ["the user's evaluation failed"]
     assert all(torch.equal(a, b) for a, b in zip(r["after"], plain["after"]))
 
 

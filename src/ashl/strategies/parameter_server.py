@@ -6,7 +6,7 @@ error-feedback residual) through a ``Compressor`` into the send buffer and commi
 (``server.ParameterServer``: merge weight x staleness damping, the outer optimizer,
 non-finite guard, SHL's staleness bound) and answers with the global model, which becomes the rank's parameters and
 anchors. Stage and stop decisions are the server's coordinator's; they reach a rank with the
-reply to its commit. The server rank evaluates after its own commits.
+reply to its commit. The server rank evaluates the global model between its steps.
 
 A subclass supplies the plan (profiled for ``ashl``, fixed for the baselines) and when a
 round ends.
@@ -519,7 +519,9 @@ class ServerStrategy(Strategy):
         server holds it now. On a clock, not at this rank's replies, so a strategy that
         commits every few seconds is evaluated as often as one that commits every step.
         The callback sees W in the model; this rank's own model is put back after it
-        returns (a background evaluation has copied W by then)."""
+        returns (a background evaluation has copied W by then). The copies count as the
+        evaluation's time. Costs one more copy of the model on this rank, kept."""
+        t0, spent = time.perf_counter(), self.evaluations.spent_s
         server = self.server.server
         with self.mc.lock:
             if self.finished or self.mc.coordinator.machine.done:
@@ -530,13 +532,14 @@ class ServerStrategy(Strategy):
         held, live = kernels.flat_forms(self._held, self.tensors)
         with torch.no_grad():
             torch._foreach_copy_(list(held), list(live))
-            torch._foreach_copy_(list(live), kernels.views_like(global_model, live))
             try:
+                torch._foreach_copy_(list(live), kernels.views_like(global_model, live))
                 keep = self.stage_config.target_accuracy is not None
                 self.evaluations.start(save=(lambda: global_model) if keep else None)
                 self._take_evaluation()   # one that returned at once, while W is held
             finally:
                 torch._foreach_copy_(list(live), list(held))
+                self.evaluations.spent_s = spent + time.perf_counter() - t0
 
     def _take_evaluation(self) -> None:
         """A finished evaluation's accuracy goes to the coordinator: a target met stops the
