@@ -461,8 +461,8 @@ class ParameterServer:
         """The global model and the outer optimizer's state in host memory, while the server
         thread runs (under its lock): copied on the server's stream, after the merges
         queued there, and waited for, so no later merge can reach them."""
+        model = self.model_copy("cpu")
         with self.stream():
-            model = self.model.to("cpu", copy=True)
             outer = {k: v.to("cpu") if isinstance(v, torch.Tensor) else v
                      for k, v in self.outer.state_dict().items()}   # state_dict copies
         return model, outer
