@@ -109,7 +109,9 @@ def test_a_replacement_joins_mid_run_takes_the_lost_slot_and_commits(tmp_path):
 def test_every_asynchronous_strategy_survives_a_killed_worker(strategy, tmp_path):
     job = Job(tmp_path, 4, "--strategy", strategy, "--max-seconds", "120",
               "--target-accuracy", "0.93")
-    job.wait_for("the first commits", commits_at_least(20))
+    # every rank has committed, well before 0.93: adsp commits every 2 s, and its global
+    # model, evaluated on the clock, read 0.87 at 8 commits and 0.93 at 19 in one run
+    job.wait_for("the first commits", commits_at_least(8))
     job.kill(2)
     assert job.finish(150) == LOST, job.text()[-3000:]
     check_nothing_merged_is_lost(job, [2], target=0.93)
