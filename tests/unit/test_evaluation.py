@@ -196,23 +196,78 @@ def _state(model):
 
 
 @pytest.mark.parametrize("flat_storage", [True, False])
-def test_the_server_rank_evaluates_the_global_model_between_steps_and_keeps_its_own(flat_storage):
-    """On a clock, not at its replies: a rank that has not committed since its first step
-    still evaluates after every step (eval_every_s=0), each time the global model W, not
-    the model it trains; its own comes back after each call, so its steps end where those
-    of a run without evaluations end."""
+def test_the_server_rank_evaluates_the_global_model_once_per_version_and_keeps_its_own(
+        flat_storage):
+    """One is due after every step (eval_every_s=0), but a model already evaluated is not
+    evaluated again: the rank that commits once evaluates W once, W and not the model it
+    trains. Its own model comes back after the call, so its steps end where those of a run
+    without evaluations end."""
     r = _adsp_rank_committing_once(True, flat_storage)
     plain = _adsp_rank_committing_once(False, flat_storage)
     global_model = r["after"][0]          # the first step's commit was answered with W
     assert r["commits"] == plain["commits"] == 1
-    assert len(r["seen"]) == 11           # after each later step
-    assert all(torch.equal(w, global_model) for w in r["seen"])
+    assert len(r["seen"]) == 1
+    assert torch.equal(r["seen"][0], global_model)
     assert not torch.equal(r["after"][-1], global_model)
     assert all(torch.equal(a, b) for a, b in zip(r["after"], plain["after"]))
 
 
+def test_the_server_rank_evaluates_a_global_model_changed_by_another_rank_between_its_steps():
+    """On a clock, not at its replies: after the other rank's second commit has changed W,
+    the server rank, which has not committed since its first step, evaluates W at its next
+    step. No model is evaluated twice in a row."""
+    at_six, other_committed, server_done = threading.Event(), threading.Event(), threading.Event()
+
+    def rank_fn(comm, hvd):
+        rank = comm.Get_rank()
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        g = torch.Generator().manual_seed(1 + rank)
+        x, y = torch.randn(64, 4, generator=g), torch.randint(0, 3, (64,), generator=g)
+        seen = []
+
+        def evaluate():
+            seen.append(_state(model))
+            return 0.1
+
+        # the other rank commits at every step it takes, the server rank only at its first
+        interval = 1000 if rank == 0 else 1e-3
+        opt = ashl.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), model=model, strategy="adsp",
+            comm=comm, evaluate=evaluate if rank == 0 else None, eval_every_s=0,
+            check_period_s=interval, min_commit_interval_s=interval, search=False,
+            stage_config=StageConfig(max_commits=10_000))
+        after = []
+        for step in range(12 if rank == 0 else 2):
+            if rank == 0 and step == 6:
+                at_six.set()
+                assert other_committed.wait(30)
+            if rank == 1 and step == 1:
+                assert at_six.wait(30)
+            opt.zero_grad()
+            i = (step * 8) % 64
+            torch.nn.functional.cross_entropy(model(x[i:i + 8]), y[i:i + 8]).backward()
+            opt.step()
+            after.append(_state(model))
+        if rank == 1:
+            other_committed.set()          # its second commit was answered: W has it
+            assert server_done.wait(30)
+        else:
+            server_done.set()
+        commits = opt.counters()["commits"]
+        opt.finish()
+        return {"seen": seen, "after": after, "commits": commits}
+
+    server, other = FakeWorld(2).run(rank_fn)
+    assert server["commits"] == 1 and other["commits"] == 2
+    assert torch.equal(server["seen"][-1], other["after"][1])   # W with the other's commit
+    assert not any(torch.equal(server["seen"][-1], a) for a in server["after"])
+    assert all(not torch.equal(a, b) for a, b in zip(server["seen"], server["seen"][1:]))
+    assert 2 <= len(server["seen"]) <= 3      # one evaluation per version of W at most
+
+
 def test_an_evaluation_that_raises_leaves_the_rank_its_own_model():
-    r, plain = _adsp_rank_committing_once(True, fail_at=3), _adsp_rank_committing_once(False)
+    r, plain = _adsp_rank_committing_once(True, fail_at=1), _adsp_rank_committing_once(False)
     assert r["raised"] == ["the user's evaluation failed"]
     assert all(torch.equal(a, b) for a, b in zip(r["after"], plain["after"]))
 

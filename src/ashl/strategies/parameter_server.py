@@ -210,6 +210,7 @@ class ServerStrategy(Strategy):
             t.dtype == torch.float32 for t in self.tensors) else None
         self.scratch: Optional[torch.Tensor] = None  # fp32 delta for compressors that need it
         self._held = None    # the server rank's own model while the global one is evaluated
+        self._evaluated_version: Optional[int] = None   # the version of W evaluated last
         self.server: Optional[ServerThread] = None
         self.version = 0                     # global version of the model we hold
         self.round_base = 0                  # the version this round's steps started from
@@ -442,9 +443,12 @@ class ServerStrategy(Strategy):
 
     def _between_steps(self) -> None:
         """After every local step: take the in-flight commit's reply if it has arrived; on
-        the server rank, evaluate the global model if an evaluation is due, and take a
-        background evaluation's result once it is done."""
-        due = self.is_server and self.server is not None and self.evaluations.due()
+        the server rank, evaluate the global model if an evaluation is due and a merge has
+        changed it since the last one (the same model would only give the same accuracy
+        again, on the device training needs), and take a background evaluation's result
+        once it is done."""
+        due = self.is_server and self.server is not None and self.evaluations.due() \
+            and self.server.server.version != self._evaluated_version
         if self.client.inflight is None and self.evaluations.pending is None and not due:
             return
         t0, evals = time.perf_counter(), self.evaluations.spent_s
@@ -526,7 +530,7 @@ class ServerStrategy(Strategy):
         with self.mc.lock:
             if self.finished or self.mc.coordinator.machine.done:
                 return      # the run is ending: nothing evaluated now could change that
-            global_model = server.model_copy(self.device)
+            version, global_model = server.version, server.model_copy(self.device)
         if self._held is None:
             self._held = kernels.clone_tensors(self.tensors)
         held, live = kernels.flat_forms(self._held, self.tensors)
@@ -535,7 +539,8 @@ class ServerStrategy(Strategy):
             try:
                 torch._foreach_copy_(list(live), kernels.views_like(global_model, live))
                 keep = self.stage_config.target_accuracy is not None
-                self.evaluations.start(save=(lambda: global_model) if keep else None)
+                if self.evaluations.start(save=(lambda: global_model) if keep else None):
+                    self._evaluated_version = version
                 self._take_evaluation()   # one that returned at once, while W is held
             finally:
                 torch._foreach_copy_(list(live), list(held))
