@@ -206,8 +206,11 @@ class ServerStrategy(Strategy):
         self.run_summary: Optional[dict] = None   # fault-tolerant: the server's word on the end
         self.dropped = False                 # the server dropped this rank as lost
         self.anchors: Optional[list[torch.Tensor]] = None
-        self.residual = Residual(self.tensors) if all(
-            t.dtype == torch.float32 for t in self.tensors) else None
+        # top-k and fp16 commits feed back what they left out, where the parameters are fp32;
+        # the memory (1 M) is taken at the first such commit, not by strategies that never
+        # compress (adsp's, or ashl's AHL)
+        self.error_feedback = all(t.dtype == torch.float32 for t in self.tensors)
+        self.residual: Optional[Residual] = None
         self.scratch: Optional[torch.Tensor] = None  # fp32 delta for compressors that need it
         self._held = None    # the server rank's own model while the global one is evaluated
         self._evaluated_version: Optional[int] = None   # the version of W evaluated last
@@ -280,7 +283,7 @@ class ServerStrategy(Strategy):
         if self.compression is not None:
             return self.compression
         ratio = self.plan.ratio(self.rank, self.stage.planned) if self.plan else 1.0
-        if ratio < 1.0 and self.residual is not None:
+        if ratio < 1.0 and self.error_feedback:
             return Compression.topk(ratio)
         return Compression.none
 
@@ -291,19 +294,19 @@ class ServerStrategy(Strategy):
         compressor, parameters without error feedback, or dense targets."""
         cfg = self.planner_config
         ratio = min(cfg.shl_target_ratio, cfg.ahl_target_ratio)
-        if ratio >= 1 or self.compression is not None or self.residual is None:
+        if ratio >= 1 or self.compression is not None or not self.error_feedback:
             return []
         compressor = Compression.topk(ratio)
         if self.scratch is None:
             self.scratch = torch.empty(self.numel, dtype=torch.float32, device=self.device)
         out = torch.empty(compressor.max_nbytes(self.numel), dtype=torch.uint8,
                           device=self.device)
-        error_feedback = Residual(self.tensors)   # zeros: the rank's own stays as it is
+        residual = Residual(self.tensors)   # zeros: the rank's own stays as it is
         samples = []
         for _ in range(1 + repeats):
             self.wait_for_device()
             t0 = time.perf_counter()
-            compressor.pack(self.tensors, self.anchors, error_feedback, self.scratch, out)
+            compressor.pack(self.tensors, self.anchors, residual, self.scratch, out)
             self.wait_for_device()
             samples.append(time.perf_counter() - t0)
         return samples
@@ -489,8 +492,11 @@ class ServerStrategy(Strategy):
         """The commit's payload, packed (and compressed) on the model's device, in host
         memory for the wire: for a CPU model the pack buffer is the wire buffer."""
         out = self.staging.device_buffer("pack", compressor.max_nbytes(self.numel))
-        if compressor is not Compression.none and self.scratch is None:
-            self.scratch = torch.empty(self.numel, dtype=torch.float32, device=self.device)
+        if compressor is not Compression.none:
+            if self.scratch is None:
+                self.scratch = torch.empty(self.numel, dtype=torch.float32, device=self.device)
+            if self.residual is None and self.error_feedback:
+                self.residual = Residual(self.tensors)
         return self.staging.to_host(
             compressor.pack(self.tensors, self.anchors, self.residual, self.scratch, out))
 
@@ -659,8 +665,12 @@ class ServerStrategy(Strategy):
         # saved while a lost rank's slot was vacant: its schedule gives that slot nothing, and
         # every rank is re-planned at the start (_start_from_checkpoint)
         vacant = any(h == 0 for h in run["plan"].ahl.local_steps + run["plan"].shl.local_steps)
+        # the saved error feedback is read into a residual of its own, kept if it holds any
+        residual = Residual(self.tensors) if self.error_feedback else None
         self._load_own(path, optimizer, restore_sampler=not vacant,
-                       tensors={} if self.residual is None else {"residual": self.residual.flat})
+                       tensors={} if residual is None else {"residual": residual.flat})
+        if residual is not None and bool(residual.flat.any()):
+            self.residual = residual
         kernels.unpack_assign(self.tensors, [t.clone() for t in self.tensors],
                               self.staging.to_device(run["global_model"]))
         self._resume = run
