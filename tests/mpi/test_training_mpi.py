@@ -127,9 +127,11 @@ def test_an_outer_optimizer_through_both_stages_and_a_resume_keeps_its_momentum(
                    "--target-accuracy", "0.95", "--max-seconds", "60", "--ahl-max-commits", "16")
     check_run_resumed(second, saved, saved_commits)
     c = second["ranks"][0]["counters"]
-    # the outer optimizer's count went on from the checkpoint's: its state was loaded
-    assert c["outer"]["updates"] >= saved["outer"]["updates"] + 1
-    assert c["outer"]["updates"] - saved["outer"]["updates"] <= c["server"]["merged"]
+    # the outer optimizer's count went on from the checkpoint's (a fresh one counts from 0):
+    # its state was loaded. The checkpoint is the last epoch's, and can already be at the
+    # target: the resumed run may then end at its first evaluation, before any merge
+    updates, merged = c["outer"]["updates"] - saved["outer"]["updates"], c["server"]["merged"]
+    assert 0 <= updates <= merged and (updates >= 1 or merged == 0), (updates, merged)
     assert "SHL" in [e["to"] for e in first["events"] + second["events"]]
 
     # a resume that asks for another outer optimizer is refused on every rank, named
