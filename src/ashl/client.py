@@ -32,6 +32,8 @@ from .transport import RankEnd
 
 __all__ = ["Commit", "Reply", "ServerClient"]
 
+WATCH_SLICE_S = 0.05    # how soon a reply's watcher sees that the commit was cancelled
+
 
 @dataclass(frozen=True)
 class Commit:
@@ -76,11 +78,14 @@ class InFlight:
     depart_at: float               # time.monotonic: when it leaves (emulated upload)
     sent: bool = False
     uploader: Optional[threading.Thread] = None     # sends it at depart_at, beside the steps
+                                                    # (over a real link: and watches for
+                                                    # its reply, to stamp link_end)
     cancelled: threading.Event = field(default_factory=threading.Event)   # by close()
     upload_error: Optional[BaseException] = None    # what the uploader's send raised
     answer: Optional[protocol.Message] = None
     arrive_at: float = 0.0         # time.monotonic: when its reply may be taken
-    link_end: float = 0.0          # perf_counter: when the reply was there to take
+    link_end: float = 0.0          # perf_counter: when the reply was there to take (0: not
+                                   # known yet)
 
 
 class ServerClient:
@@ -97,6 +102,10 @@ class ServerClient:
         self.last_link_s: Optional[float] = None
         self.last_ratio = 1.0
         self.inflight: Optional[InFlight] = None
+        # A real link's reply is seen between the rank's steps, up to a step after it
+        # landed: a transport that can wait without cost has a thread stamp its arrival, so
+        # the link time the drift detector is told is the link's, not the step's
+        self.watch_replies = self.hetero.link is None and end.poll_waits_idle
 
     def commit(self, payload: Payload, commit: Commit) -> Reply:
         """Send a commit and wait for its answer."""
@@ -108,15 +117,17 @@ class ServerClient:
         its reply. An `overlapped` commit leaves beside the rank's steps, as a real link's
         upload runs beside the compute: now, or over an emulated link (or a transport whose
         send blocks) from an uploader thread at its departure time (until 2026-12-06 it left
-        at the first step boundary after that, up to a step late). A blocking commit leaves
-        in ``reply``."""
+        at the first step boundary after that, up to a step late), and over a real link
+        whose transport can wait idle, from a thread that then watches for its reply. A
+        blocking commit leaves in ``reply``."""
         if self.inflight is not None:
             raise RuntimeError("a commit is already in flight: take its reply first")
         header = self._header(payload, commit)
         f = InFlight(header, payload, time.perf_counter(),
                      time.monotonic() + self.hetero.link_delay(header.nbytes))
         self.inflight = f
-        if overlapped and (f.depart_at > time.monotonic() or self.end.send_blocks):
+        if overlapped and (f.depart_at > time.monotonic() or self.end.send_blocks
+                           or self.watch_replies):
             f.uploader = threading.Thread(target=self._upload, args=(f,), name="ashl-upload",
                                           daemon=True)
             f.uploader.start()
@@ -130,12 +141,17 @@ class ServerClient:
         f.sent = True
 
     def _upload(self, f: InFlight) -> None:
-        """The uploader: `f` leaves at its departure time unless cancelled first. Until this
-        returns only this thread uses the end (the training thread waits for it before it
-        polls for the reply)."""
+        """The uploader: `f` leaves at its departure time unless cancelled first, and with
+        `watch_replies` the thread stays until its reply has landed (stamped in link_end).
+        Until this returns only this thread uses the end (the training thread waits for it
+        before it polls for the reply)."""
         try:
             if not f.cancelled.wait(max(0.0, f.depart_at - time.monotonic())):
                 self._send(f)
+                while self.watch_replies and not f.cancelled.is_set():
+                    if self.end.poll(WATCH_SLICE_S):
+                        f.link_end = time.perf_counter()
+                        return
         except BaseException as exc:  # noqa: BLE001 - raised in the training thread's reply()
             f.upload_error = exc
 
@@ -178,9 +194,10 @@ class ServerClient:
             h = f.answer.header
             f.arrive_at = self.hetero.arrival(h.sent_at, h.nbytes)
             # an emulated link's reply was there at its arrival time, though the rank may
-            # look only later, between its steps; a real one's when it is seen here
+            # look only later, between its steps; a real one's when the uploader saw it land
+            # (watch_replies), else when it is seen here
             ahead = f.arrive_at - time.monotonic() if self.hetero.link is not None else 0.0
-            f.link_end = time.perf_counter() + ahead
+            f.link_end = f.link_end or time.perf_counter() + ahead
         if not wait and time.monotonic() < f.arrive_at:
             return None
         sleep_until(f.arrive_at)

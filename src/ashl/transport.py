@@ -115,6 +115,9 @@ class RankEnd:
     # send waits for the transfer (MPI_Send of a large message): an overlapped commit is
     # sent from a thread, so that its upload overlaps the rank's steps as over ZeroMQ
     send_blocks = False
+    # poll(timeout) waits inside the transport without waking Python (ZeroMQ's poller): a
+    # thread may watch for an overlapped commit's reply at no cost to the rank's steps
+    poll_waits_idle = False
 
     def send(self, header: Header, payload=None) -> None:
         raise NotImplementedError
@@ -437,6 +440,7 @@ class ZmqServerEnd(ServerEnd):
 class ZmqRankEnd(RankEnd):
     """A DEALER connected to the server's ROUTER at `endpoint`, with identity `rank`."""
 
+    poll_waits_idle = True
     DRAIN_S = 0.5     # after the server's disconnect: messages it sent before may still land
 
     def __init__(self, endpoint: str, rank: int, model_numel: int, *, world_size: int,

@@ -292,6 +292,69 @@ def test_over_a_transport_whose_send_blocks_an_overlapped_commit_is_sent_from_a_
     assert len(end.threads) == 1 and end.threads[0] is not threading.current_thread()
 
 
+class LandingEnd(QueueEnd):
+    """A real link's end (no emulated link) whose reply lands `delay_s` after the commit
+    leaves, and whose poll waits idle for it, as ZeroMQ's does."""
+
+    poll_waits_idle = True
+
+    def __init__(self, numel, delay_s):
+        super().__init__(numel)
+        self.delay_s, self.landed, self.polled_from = delay_s, threading.Event(), set()
+
+    def send(self, header, payload=None):
+        super().send(header, payload)
+        reply, self.queue = self.queue.pop(), []
+        threading.Timer(self.delay_s, self._land, args=(reply,)).start()
+
+    def _land(self, reply):
+        self.queue.append(reply)
+        self.landed.set()
+
+    def poll(self, timeout_s=0.0):
+        self.polled_from.add(threading.current_thread())
+        self.landed.wait(timeout_s)
+        return bool(self.queue)
+
+
+def test_a_real_links_reply_is_timed_when_it_lands_not_when_the_rank_looks():
+    """The rank looks for the reply only between its steps: the link time the drift
+    detector is told ends where the reply landed (stamped by the commit's thread), not a
+    long step later (before, 0.5 s here, and the server re-planned on links that looked
+    slower than they were)."""
+    end = LandingEnd(N, delay_s=0.1)
+    client = ServerClient(end, 1, N)
+    begin(client)
+    time.sleep(0.5)                                                 # a long local step
+    reply = client.reply(wait=False)
+    assert reply is not None and reply.accepted and client.inflight is None
+    assert 0.1 <= client.last_link_s < 0.3
+    assert end.threads[0] is not threading.current_thread() and end.threads[0] in end.polled_from
+
+
+def test_close_ends_a_reply_watcher_at_once():
+    end = LandingEnd(N, delay_s=5.0)
+    client = ServerClient(end, 1, N)
+    begin(client)
+    watcher = client.inflight.uploader
+    started = time.monotonic()
+    client.close()
+    assert not watcher.is_alive() and time.monotonic() - started < 0.5
+    begin(client)                                                   # nothing in flight now
+
+
+def test_over_a_transport_that_cannot_wait_idle_no_thread_watches():
+    """An MPI end polls by sleeping in Python: a watcher would wake the rank's process every
+    0.2 ms for the whole flight, so the reply is timed where the rank sees it."""
+    end = LandingEnd(N, delay_s=0.05)
+    end.poll_waits_idle = False
+    client = ServerClient(end, 1, N)
+    begin(client)
+    assert client.inflight.uploader is None and end.threads == [threading.current_thread()]
+    time.sleep(0.3)
+    assert client.reply(wait=False) is not None and client.last_link_s >= 0.3
+
+
 def test_client_without_a_link_takes_the_reply_at_the_first_poll():
     client = ServerClient(QueueEnd(N), 1, N)
     client.begin(Compression.none.compress(torch.zeros(N)), commit_args())
