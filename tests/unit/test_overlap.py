@@ -320,15 +320,15 @@ class LandingEnd(QueueEnd):
 def test_a_real_links_reply_is_timed_when_it_lands_not_when_the_rank_looks():
     """The rank looks for the reply only between its steps: the link time the drift
     detector is told ends where the reply landed (stamped by the commit's thread), not a
-    long step later (before, 0.5 s here, and the server re-planned on links that looked
+    long step later (before, 1 s here, and the server re-planned on links that looked
     slower than they were)."""
     end = LandingEnd(N, delay_s=0.1)
     client = ServerClient(end, 1, N)
     begin(client)
-    time.sleep(0.5)                                                 # a long local step
+    time.sleep(1.0)                                                 # a long local step
     reply = client.reply(wait=False)
     assert reply is not None and reply.accepted and client.inflight is None
-    assert 0.1 <= client.last_link_s < 0.3
+    assert 0.1 <= client.last_link_s < 0.6
     assert end.threads[0] is not threading.current_thread() and end.threads[0] in end.polled_from
 
 
@@ -339,7 +339,7 @@ def test_close_ends_a_reply_watcher_at_once():
     watcher = client.inflight.uploader
     started = time.monotonic()
     client.close()
-    assert not watcher.is_alive() and time.monotonic() - started < 0.5
+    assert not watcher.is_alive() and time.monotonic() - started < 2.0     # not the 5 s
     begin(client)                                                   # nothing in flight now
 
 
