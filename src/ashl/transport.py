@@ -27,6 +27,7 @@ changed again; a received message lands in the caller's preallocated MessageBuff
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import socket
 import threading
@@ -515,7 +516,10 @@ class ZmqRankEnd(RankEnd):
         """As recv's wait, in slices (an overlapped commit's reply, between local steps)."""
         deadline = time.monotonic() + timeout_s
         while True:
-            ready = dict(self.poller.poll(int(max(0.0, deadline - time.monotonic()) * 1000)))
+            # whole milliseconds, rounded up: rounded down, the last fraction of one was
+            # spent in poll(0) calls, a spin (an overlapped commit's watcher polls in slices)
+            left_ms = math.ceil(max(0.0, deadline - time.monotonic()) * 1000)
+            ready = dict(self.poller.poll(left_ms))
             if self.sock in ready:
                 return True
             if self.monitor in ready:

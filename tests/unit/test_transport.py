@@ -587,6 +587,22 @@ def test_a_rank_end_polls_for_its_reply_without_waiting(ends):
     assert rank.poll(0.0) is False
 
 
+def test_a_rank_ends_poll_waits_idle_for_its_whole_timeout(ends):
+    """One wait in ZeroMQ's poller for a timeout of whole milliseconds, not a wait rounded
+    down and then poll(0) calls for the rest (a spin: an overlapped commit's watcher polls
+    in slices for the whole flight)."""
+    server = ends.server()
+    rank = ends.rank(server)
+    rank.send(header(Kind.PLAN, 1, DType.UINT8, 0))
+    poll(server)                                  # connected, and nothing sent back
+    waits = []
+    poller_poll = rank.poller.poll
+    rank.poller.poll = lambda timeout=None: waits.append(timeout) or poller_poll(timeout)
+    for _ in range(5):
+        assert rank.poll(0.0503) is False
+    assert waits.count(0) == 0 and len(waits) <= 10, waits
+
+
 def a_rank_whose_server_closed(ends):
     """A rank end that reached its server, which then closed."""
     server = ends.server()

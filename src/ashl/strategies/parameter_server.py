@@ -669,8 +669,7 @@ class ServerStrategy(Strategy):
         residual = Residual(self.tensors) if self.error_feedback else None
         self._load_own(path, optimizer, restore_sampler=not vacant,
                        tensors={} if residual is None else {"residual": residual.flat})
-        if residual is not None and bool(residual.flat.any()):
-            self.residual = residual
+        self.residual = residual if residual is not None and bool(residual.flat.any()) else None
         kernels.unpack_assign(self.tensors, [t.clone() for t in self.tensors],
                               self.staging.to_device(run["global_model"]))
         self._resume = run
