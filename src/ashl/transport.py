@@ -363,7 +363,9 @@ class ZmqServerEnd(ServerEnd):
 
     def poll(self, timeout_s: float):
         import zmq
-        ready = dict(self.poller.poll(int(max(0.0, timeout_s) * 1000)))
+        # rounded up (as ZmqRankEnd.poll): rounded down, the server thread's loop spent the
+        # last fraction of a millisecond before each tick in poll(0) calls
+        ready = dict(self.poller.poll(math.ceil(max(0.0, timeout_s) * 1000)))
         if self.monitor in ready:
             self._disconnects()
         if self.lost:

@@ -603,6 +603,17 @@ def test_a_rank_ends_poll_waits_idle_for_its_whole_timeout(ends):
     assert waits.count(0) == 0 and len(waits) <= 10, waits
 
 
+def test_the_server_ends_poll_waits_out_a_fraction_of_a_millisecond(ends):
+    """The server thread polls until its next tick: under a millisecond before it, a wait
+    rounded down to 0 returned at once, and the loop spun until the tick."""
+    server = ends.server()
+    waits = []
+    poller_poll = server.poller.poll
+    server.poller.poll = lambda timeout=None: waits.append(timeout) or poller_poll(timeout)
+    assert server.poll(0.0004) is None and server.poll(0.0) is None
+    assert waits == [1, 0]
+
+
 def a_rank_whose_server_closed(ends):
     """A rank end that reached its server, which then closed."""
     server = ends.server()
