@@ -137,8 +137,7 @@ class ServerClient:
 
     def _send(self, f: InFlight) -> None:
         sleep_until(f.depart_at)
-        self.end.send(f.header, f.payload.buffer)
-        f.sent = True
+        f.sent = self.end.send(f.header, f.payload.buffer, cancelled=f.cancelled)
 
     def _upload(self, f: InFlight) -> None:
         """The uploader: `f` leaves at its departure time unless cancelled first, and with
@@ -148,7 +147,7 @@ class ServerClient:
         try:
             if not f.cancelled.wait(max(0.0, f.depart_at - time.monotonic())):
                 self._send(f)
-                while self.watch_replies and not f.cancelled.is_set():
+                while f.sent and self.watch_replies and not f.cancelled.is_set():
                     if self.end.poll(WATCH_SLICE_S):
                         f.link_end = time.perf_counter()
                         return

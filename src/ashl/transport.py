@@ -120,7 +120,10 @@ class RankEnd:
     # thread may watch for an overlapped commit's reply at no cost to the rank's steps
     poll_waits_idle = False
 
-    def send(self, header: Header, payload=None) -> None:
+    def send(self, header: Header, payload=None,
+             cancelled: Optional[threading.Event] = None) -> bool:
+        """Send a message to the server; False if `cancelled` was set before it could leave
+        (an overlapped commit's uploader, when the rank closes its client)."""
         raise NotImplementedError
 
     def recv(self, buffer: MessageBuffer) -> Message:
@@ -172,8 +175,10 @@ class MPIRankEnd(RankEnd):
         self.comm, self.server_rank, self.model_numel = comm, server_rank, model_numel
         self.poll_s, self.server_error = poll_s, server_error
 
-    def send(self, header: Header, payload=None) -> None:
+    def send(self, header: Header, payload=None,
+             cancelled: Optional[threading.Event] = None) -> bool:
         protocol.send(self.comm, self.server_rank, header, payload, tag=protocol.TAG_TO_SERVER)
+        return True
 
     def recv(self, buffer: MessageBuffer) -> Message:
         while not self.comm.Iprobe(source=self.server_rank, tag=protocol.TAG_TO_RANK):
@@ -478,15 +483,19 @@ class ZmqRankEnd(RankEnd):
             # at once: the server knows this connection is this rank before its first commit
             self.send(Header(kind=protocol.Kind.HELLO, rank=rank))
 
-    def send(self, header: Header, payload=None) -> None:
+    def send(self, header: Header, payload=None,
+             cancelled: Optional[threading.Event] = None) -> bool:
         """Raises ServerLost when the server has been unreachable for timeout_s (an
-        overlapped commit's uploader must end, so that the end can close)."""
+        overlapped commit's uploader must end, so that the end can close); gives up, False,
+        within SNDTIMEO once `cancelled` is set (the client closing: not after timeout_s)."""
         import zmq
         started = time.monotonic()
         while True:
             try:
                 return _send_parts(self.sock, [], header, payload, wait=None)
             except zmq.Again:   # nothing went: no peer to queue for (the first frame blocks)
+                if cancelled is not None and cancelled.is_set():
+                    return False
                 self._check_server()
                 if time.monotonic() - started > self.timeout_s:
                     raise ServerLost(f"could not send to the parameter server "

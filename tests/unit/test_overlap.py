@@ -175,7 +175,7 @@ class QueueEnd(RankEnd):
         self.sent_at, self.threads = [], []      # when, and from which thread, each left
         self.error = None                        # what send raises, if set
 
-    def send(self, header, payload=None):
+    def send(self, header, payload=None, cancelled=None):
         if self.error is not None:
             raise self.error
         self.sent.append(header)
@@ -186,6 +186,7 @@ class QueueEnd(RankEnd):
                                   base_version=self.version, dtype=DType.FLOAT32,
                                   numel=self.numel, flags=Flag.ACCEPTED,
                                   sent_at=time.monotonic()), body))
+        return True
 
     def poll(self, timeout_s=0.0):
         return bool(self.queue)
@@ -302,10 +303,11 @@ class LandingEnd(QueueEnd):
         super().__init__(numel)
         self.delay_s, self.landed, self.polled_from = delay_s, threading.Event(), set()
 
-    def send(self, header, payload=None):
+    def send(self, header, payload=None, cancelled=None):
         super().send(header, payload)
         reply, self.queue = self.queue.pop(), []
         threading.Timer(self.delay_s, self._land, args=(reply,)).start()
+        return True
 
     def _land(self, reply):
         self.queue.append(reply)

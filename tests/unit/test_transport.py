@@ -273,6 +273,31 @@ def test_a_send_with_no_server_to_queue_for_gives_up_after_the_timeout(ends):
     assert time.monotonic() - started < WAIT_S
 
 
+@pytest.mark.timeout(20)
+def test_closing_the_client_ends_an_uploader_stuck_in_such_a_send_at_once(ends):
+    """The run's end on the server rank: its server's end closes while an overlapped
+    commit's uploader is in that send. The client's close() cancels it within one of the
+    send's 0.25 s tries (before, it waited out the end's timeout_s, 5 s by default)."""
+    from ashl.client import Commit, ServerClient
+    from ashl.compression import Compression
+    server = ends.server()
+    own = server.own_end(0)
+    ends.open.append(own)
+    own.timeout_s = WAIT_S
+    ends.close(server)
+    time.sleep(0.5)                     # ZeroMQ's I/O thread drops the pipe to it
+    client = ServerClient(own, 0, 10)
+    client.begin(Compression.none.compress(torch.zeros(10)),
+                 Commit(stage=Stage.AHL, number=0, base_version=0, plan_version=1, epoch=0,
+                        local_steps=1))
+    uploader = client.inflight.uploader
+    time.sleep(0.3)
+    assert uploader.is_alive()          # inside the send
+    started = time.monotonic()
+    client.close()
+    assert not uploader.is_alive() and time.monotonic() - started < 1.0
+
+
 def test_send_to_a_rank_that_never_connected_says_false(ends):
     server = ends.server(world_size=3, numel=10)
     rank = ends.rank(server, rank=1, world_size=3)
