@@ -31,6 +31,7 @@ from typing import Any, Callable, Sequence
 
 from .planner import (Plan, PlannerConfig, RankProfile, embed_plan, make_plan, pull_seconds,
                       push_seconds)
+from .profiler import RoundTrips, StepTimer, measure_round_trip
 from .stages import Stage, StageConfig, StageMachine
 
 __all__ = ["CommitReport", "Directive", "DriftConfig", "CoordinatorEvent", "Coordinator",
@@ -444,15 +445,17 @@ class MPICoordinator:
         self._wait(self.comm.Ibarrier())
 
     # -------------------------------------------------------------- profiling
-    def measure_link(self, payload_bytes: int, repeats: int = 10, warmup: int = 2):
+    def measure_link(self, payload_bytes: int, trips: RoundTrips | None = None):
         """Round-trip push and pull of a real `payload_bytes` message to the root (collective).
 
         Returns (push, pull) TimingSummary. Ranks are served one at a time so they do
-        not compete; the root measures a message to itself (its server is a thread there).
+        not compete, each for as many round trips as `trips` allows (its request for a
+        pull tells the root whether another push follows); the root measures a message to
+        itself (its server is a thread there).
         """
-        from .profiler import StepTimer, measure_round_trip
+        trips = trips or RoundTrips()
         payload = bytearray(max(1, int(payload_bytes)))
-        one = bytearray(1)
+        one, more = bytearray(1), bytearray(1)
         if self.is_root:
             sink = bytearray(len(payload))
 
@@ -461,31 +464,37 @@ class MPICoordinator:
                 self.comm.Send(payload, dest=self.rank, tag=_LINK_PUSH)
                 request.Wait()
 
-            push = measure_round_trip(copy, repeats, warmup=warmup)
-            pull = measure_round_trip(copy, repeats, warmup=warmup)
+            push = measure_round_trip(copy, trips)
+            pull = measure_round_trip(copy, trips)
             for r in range(self.size):
                 if r == self.root:
                     continue
                 self.comm.send(None, dest=r, tag=_LINK_GO)
-                for _ in range(warmup + repeats):
+                more[0] = 1
+                while more[0]:
                     self.comm.Recv(payload, source=r, tag=_LINK_PUSH)
                     self.comm.Send(one, dest=r, tag=_LINK_ACK)
-                    self.comm.Recv(one, source=r, tag=_LINK_REQ)
+                    self.comm.Recv(more, source=r, tag=_LINK_REQ)
                     self.comm.Send(payload, dest=r, tag=_LINK_PULL)
         else:
             self._poll_recv(self.root, _LINK_GO)
             push_t, pull_t = StepTimer(), StepTimer()
-            for i in range(warmup + repeats):
+            start, exchanges = time.perf_counter(), 0
+            while True:
                 t0 = time.perf_counter()
                 self.comm.Send(payload, dest=self.root, tag=_LINK_PUSH)
                 self.comm.Recv(one, source=self.root, tag=_LINK_ACK)
                 t1 = time.perf_counter()
-                self.comm.Send(one, dest=self.root, tag=_LINK_REQ)
+                exchanges += 1
+                more[0] = 0 if trips.enough(exchanges, t1 - start) else 1
+                self.comm.Send(more, dest=self.root, tag=_LINK_REQ)
                 self.comm.Recv(payload, source=self.root, tag=_LINK_PULL)
                 t2 = time.perf_counter()
-                if i >= warmup:
+                if exchanges > trips.warmup:
                     push_t.add(t1 - t0)
                     pull_t.add(t2 - t1)
+                if not more[0]:
+                    break
             push, pull = push_t.summary(min_warmup=0), pull_t.summary(min_warmup=0)
         self.barrier()
         return push, pull

@@ -91,7 +91,7 @@ def main(argv=None):
     timer = StepTimer()
     for _ in range(args.profile_steps):
         timer.time(step)
-    push, pull = mc.measure_link(args.payload_bytes, repeats=10, warmup=2)
+    push, pull = mc.measure_link(args.payload_bytes)
     profile = RankProfile(compute_s=timer.summary().mean, push_s=push.mean, pull_s=pull.mean,
                           name=f"rank{rank}")
     plan = mc.establish_plan(profile)

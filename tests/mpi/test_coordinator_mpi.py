@@ -2,6 +2,9 @@
 gathered, one plan on every rank, re-plans and stage switches reaching every rank with the
 replies of the real parameter server)."""
 
+import json
+from pathlib import Path
+
 import pytest
 
 from ashl.planner import Plan
@@ -93,3 +96,16 @@ def test_np3_switches_on_ahl_budget_and_stops_on_time(tmp_path):
     for r in results:
         assert r["stop_reason"].startswith("time budget")
         assert [s["stage"] for s in r["stages_seen"]] == ["AHL", "SHL", "DONE"]
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
+def test_np3_link_measurement_stops_where_the_round_trips_say():
+    """A spent budget: every rank (the root's copy too) times the least, 2; a budget that
+    is never spent: the most, 6. The root follows each rank's count, so nothing hangs."""
+    proc = _util.mpirun(3, Path(__file__).with_name("link_measure.py"), timeout=60)
+    lines = [json.loads(line[len("COUNTS "):]) for line in proc.stdout.splitlines()
+             if line.startswith("COUNTS ")]
+    assert sorted(r["rank"] for r in lines) == [0, 1, 2]
+    for r in lines:
+        assert r["counts"] == [[2, 2], [6, 6]], r

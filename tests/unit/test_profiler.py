@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from ashl.emulation import (ComputeSlowdown, Heterogeneity, compute_factor_from_env,
                             factors_from_string, step_time_from_env)
-from ashl.profiler import RankProfiler, StepTimer, measure_round_trip, summarize
+from ashl.profiler import RankProfiler, RoundTrips, StepTimer, measure_round_trip, summarize
 
 
 class FakeClock:
@@ -74,8 +74,45 @@ def test_step_timer_records_blocks_and_skips_failures():
 
 def test_round_trip_runs_warmup_then_repeats():
     calls = []
-    summary = measure_round_trip(lambda: calls.append(1), repeats=7, warmup=3)
+    summary = measure_round_trip(lambda: calls.append(1), RoundTrips(repeats=7, warmup=3))
     assert len(calls) == 10 and summary.count == 7 and summary.warmup == 0
+
+
+def test_a_slow_round_trip_is_timed_only_until_the_budget_is_spent():
+    """Each exchange takes 0.4 s on this clock: the warm-up and two timed ones (the least)
+    spend the 1 s budget, and no more are taken."""
+    now, calls = [0.0], []
+
+    def exchange():
+        calls.append(1)
+        now[0] += 0.4
+
+    summary = measure_round_trip(exchange, RoundTrips(repeats=10, warmup=1, min_repeats=2,
+                                                      budget_s=1.0), clock=lambda: now[0])
+    assert len(calls) == 3 and summary.count == 2 and summary.mean == pytest.approx(0.4)
+
+
+@given(repeats=st.integers(1, 12), warmup=st.integers(0, 3), min_repeats=st.integers(1, 12),
+       budget_s=st.floats(0, 5), step_s=st.floats(0.001, 2))
+def test_round_trips_take_between_the_least_and_the_most(repeats, warmup, min_repeats,
+                                                         budget_s, step_s):
+    assume(min_repeats <= repeats)
+    trips = RoundTrips(repeats=repeats, warmup=warmup, min_repeats=min_repeats,
+                       budget_s=budget_s)
+    now = [0.0]
+    summary = measure_round_trip(lambda: now.__setitem__(0, now[0] + step_s), trips,
+                                 clock=lambda: now[0])
+    assert min_repeats <= summary.count <= repeats
+    # one more would have been taken only while the budget was not yet spent
+    assert summary.count == repeats or (warmup + summary.count) * step_s >= budget_s - 1e-9
+
+
+@pytest.mark.parametrize("bad", [dict(repeats=0), dict(min_repeats=0), dict(min_repeats=11),
+                                 dict(warmup=-1), dict(budget_s=-1.0), dict(repeats=2.5),
+                                 dict(budget_s="1")])
+def test_round_trips_refuse_a_count_or_budget_that_cannot_be(bad):
+    with pytest.raises(ValueError, match="round trips"):
+        RoundTrips(**bad)
 
 
 def test_rank_profiler_builds_profile():

@@ -1,0 +1,16 @@
+"""MPICoordinator.measure_link under mpirun: each rank times as many round trips as its
+RoundTrips allow (a spent budget, or the most), the root serves each rank until told that
+one was the last, and the collectives after it still line up."""
+import json
+
+from ashl.coordinator import MPICoordinator
+from ashl.profiler import RoundTrips
+
+mc = MPICoordinator()
+counts = []
+for trips in (RoundTrips(repeats=6, warmup=1, min_repeats=2, budget_s=0.0),
+              RoundTrips(repeats=6, warmup=2, min_repeats=2, budget_s=60.0)):
+    push, pull = mc.measure_link(1 << 16, trips)
+    counts.append([push.count, pull.count])
+print("COUNTS " + json.dumps({"rank": mc.rank, "counts": counts}), flush=True)
+mc.close()
