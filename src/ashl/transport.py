@@ -248,19 +248,15 @@ def _recv_frames(sock, buffer: MessageBuffer) -> int:
     return head + off
 
 
-def _send_parts(sock, prefix: list, header: Header, payload, wait: Optional[float],
-                copy: bool = False) -> bool:
-    """Header frame, then the payload in frames of at most _CHUNK bytes, without copying
-    (unless `copy`).
-    With `wait` (seconds), returns once ZeroMQ has let go of the payload (written out, or
-    dropped with a gone peer), so the caller may change it, as after MPI_Send: the server,
-    whose replies carry the global model it keeps merging into; False if that took longer
-    (a peer that stopped reading: it is lost, what it receives does not matter). A rank does
-    not wait (its commit may sit queued for a server that is gone, and a DEALER queues for
-    ever): it reuses its send buffer only after the reply, which the server sends once it
-    has the whole commit. `copy`: the payload is copied into ZeroMQ's messages now, and
-    nothing waits (the server's reply to its own rank: a zero-copy frame over inproc is held
-    until that rank reads it, which an overlapped rank does only after its current step)."""
+def _send_parts(sock, prefix: list, header: Header, payload, copy: bool) -> bool:
+    """Header frame, then the payload in frames of at most _CHUNK bytes.
+
+    `copy`: the payload is copied into ZeroMQ's messages now, and the caller may change it
+    at once, as after MPI_Send: the server, whose replies carry the global model it keeps
+    merging into. Without a copy ZeroMQ holds the caller's memory until the message is
+    written out: a rank, which reuses its send buffer only after the reply (which the server
+    sends once it has the whole commit), and whose commit may sit queued for a server that
+    is gone (a DEALER queues for ever), so nothing waits for it."""
     import zmq
     head = protocol.encode(header)
     want = header.payload_nbytes
@@ -275,16 +271,8 @@ def _send_parts(sock, prefix: list, header: Header, payload, wait: Optional[floa
     chunks = [body[i:i + _CHUNK] for i in range(0, want, _CHUNK)]
     for part in prefix + [head]:
         sock.send(part, zmq.SNDMORE)
-    # every chunk zero-copy and tracked (a small one would be copied, its tracker done at once)
-    track = wait is not None and not copy
-    trackers = [sock.send(chunk, 0 if i == len(chunks) - 1 else zmq.SNDMORE, copy=copy,
-                          track=track) for i, chunk in enumerate(chunks)]
-    deadline = time.monotonic() + (wait or 0.0)
-    for tracker in trackers if track else ():
-        try:
-            tracker.wait(max(1e-3, deadline - time.monotonic()))
-        except zmq.NotDone:
-            return False
+    for i, chunk in enumerate(chunks):
+        sock.send(chunk, 0 if i == len(chunks) - 1 else zmq.SNDMORE, copy=copy)
     return True
 
 
@@ -335,7 +323,6 @@ class ZmqServerEnd(ServerEnd):
         self.sock = self.context.socket(zmq.ROUTER)
         _heartbeats(self.sock, heartbeat_s, timeout_s)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)   # a reply to a gone peer fails, not vanishes
-        self.sock.copy_threshold = 0                     # every payload frame tracked (_send_parts)
         # (ROUTER_NOTIFY would name the peer, but is a draft option the wheels do not build)
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.poller = zmq.Poller()
@@ -420,18 +407,18 @@ class ZmqServerEnd(ServerEnd):
         self.owner[rank] = identity
 
     def send(self, dest: "int | bytes", header: Header, payload=None) -> bool:
-        """To rank `dest`, or to a peer's identity (bytes); False if it is gone, never
-        connected, or stopped reading for timeout_s."""
+        """To rank `dest`, or to a peer's identity (bytes); False if it is gone or never
+        connected. The payload is copied (4 MB in about a millisecond): held by ZeroMQ
+        until written out, the global model could take no merge meanwhile, and over a slow
+        link every other rank's commit waited behind the slowest rank's download; over
+        inproc, until the server rank read it, after its current step. A rank has one
+        commit in flight, so the copies queued are at most one model per rank."""
         import zmq
         peer = dest if isinstance(dest, bytes) else self.owner.get(dest)
         if peer is None:
             return False
         try:
-            # to the own rank: copied (4 MB in about a millisecond) rather than held until
-            # that rank reads it, which would stall every other rank's reply meanwhile
-            own = peer == self.own_identity
-            return _send_parts(self.sock, [peer], header, payload, wait=self.timeout_s,
-                               copy=own)
+            return _send_parts(self.sock, [peer], header, payload, copy=True)
         except zmq.ZMQError as exc:
             if exc.errno == zmq.EHOSTUNREACH:
                 return False
@@ -492,7 +479,7 @@ class ZmqRankEnd(RankEnd):
         started = time.monotonic()
         while True:
             try:
-                return _send_parts(self.sock, [], header, payload, wait=None)
+                return _send_parts(self.sock, [], header, payload, copy=False)
             except zmq.Again:   # nothing went: no peer to queue for (the first frame blocks)
                 if cancelled is not None and cancelled.is_set():
                     return False
