@@ -449,13 +449,11 @@ class MPICoordinator:
         """Round-trip push and pull of a real `payload_bytes` message to the root (collective).
 
         Returns (push, pull) TimingSummary. Ranks are served one at a time so they do
-        not compete, each for as many round trips as `trips` allows (its request for a
-        pull tells the root whether another push follows); the root measures a message to
-        itself (its server is a thread there).
+        not compete, each for as many round trips as `trips` allows; the root measures a
+        message to itself (its server is a thread there).
         """
         trips = trips or RoundTrips()
         payload = bytearray(max(1, int(payload_bytes)))
-        one, more = bytearray(1), bytearray(1)
         if self.is_root:
             sink = bytearray(len(payload))
 
@@ -467,37 +465,49 @@ class MPICoordinator:
             push = measure_round_trip(copy, trips)
             pull = measure_round_trip(copy, trips)
             for r in range(self.size):
-                if r == self.root:
-                    continue
-                self.comm.send(None, dest=r, tag=_LINK_GO)
-                more[0] = 1
-                while more[0]:
-                    self.comm.Recv(payload, source=r, tag=_LINK_PUSH)
-                    self.comm.Send(one, dest=r, tag=_LINK_ACK)
-                    self.comm.Recv(more, source=r, tag=_LINK_REQ)
-                    self.comm.Send(payload, dest=r, tag=_LINK_PULL)
+                if r != self.root:
+                    self._serve_link(r, payload, trips)
         else:
-            self._poll_recv(self.root, _LINK_GO)
-            push_t, pull_t = StepTimer(), StepTimer()
-            start, exchanges = time.perf_counter(), 0
-            while True:
-                t0 = time.perf_counter()
-                self.comm.Send(payload, dest=self.root, tag=_LINK_PUSH)
-                self.comm.Recv(one, source=self.root, tag=_LINK_ACK)
-                t1 = time.perf_counter()
-                exchanges += 1
-                more[0] = 0 if trips.enough(exchanges, t1 - start) else 1
-                self.comm.Send(more, dest=self.root, tag=_LINK_REQ)
-                self.comm.Recv(payload, source=self.root, tag=_LINK_PULL)
-                t2 = time.perf_counter()
-                if exchanges > trips.warmup:
-                    push_t.add(t1 - t0)
-                    pull_t.add(t2 - t1)
-                if not more[0]:
-                    break
-            push, pull = push_t.summary(min_warmup=0), pull_t.summary(min_warmup=0)
+            push, pull = self._time_link(payload, trips)
         self.barrier()
         return push, pull
+
+    def _serve_link(self, rank: int, payload: bytearray, trips: RoundTrips) -> None:
+        """The root's side of `rank`'s round trips, until its request says it was the last."""
+        one, more = bytearray(1), bytearray([1])
+        self.comm.send(None, dest=rank, tag=_LINK_GO)
+        exchanges = 0
+        while more[0]:
+            self.comm.Recv(payload, source=rank, tag=_LINK_PUSH)
+            self.comm.Send(one, dest=rank, tag=_LINK_ACK)
+            self.comm.Recv(more, source=rank, tag=_LINK_REQ)
+            warm = exchanges < trips.warmup
+            self.comm.Send(one if warm else payload, dest=rank, tag=_LINK_PULL)
+            exchanges += 1
+
+    def _time_link(self, payload: bytearray, trips: RoundTrips):
+        """A rank's push and pull times. The warm-ups carry one byte each way: they set up
+        the connection, and a slow link's full payload would take seconds more; the request
+        for each pull tells the root whether another push follows."""
+        one, more = bytearray(1), bytearray(1)
+        self._poll_recv(self.root, _LINK_GO)
+        push_t, pull_t = StepTimer(), StepTimer()
+        start, exchanges = time.perf_counter(), 0
+        while True:
+            warm = exchanges < trips.warmup
+            t0 = time.perf_counter()
+            self.comm.Send(one if warm else payload, dest=self.root, tag=_LINK_PUSH)
+            self.comm.Recv(one, source=self.root, tag=_LINK_ACK)
+            t1 = time.perf_counter()
+            exchanges += 1
+            more[0] = not trips.enough(exchanges, t1 - start)
+            self.comm.Send(more, dest=self.root, tag=_LINK_REQ)
+            self.comm.Recv(payload, source=self.root, tag=_LINK_PULL)
+            if not warm:
+                push_t.add(t1 - t0)
+                pull_t.add(time.perf_counter() - t1)
+            if not more[0]:
+                return push_t.summary(min_warmup=0), pull_t.summary(min_warmup=0)
 
     # ------------------------------------------------------------------ plans
     def gather_profiles(self, profile: RankProfile, epoch: int = 0) -> list[RankProfile] | None:
