@@ -107,9 +107,10 @@ class StepTimer:
 class RoundTrips:
     """How many round trips a link measurement takes: `warmup` untimed (over MPI, one byte
     each way: the connection's set-up), then up to `repeats` timed, but no more once
-    `min_repeats` are timed and `budget_s` has passed since the first. Links are timed one rank at a time while every rank waits, and a slow link's
-    round trip can take over a second (a 4 MB model through 56 Mbit/s): with a fixed 12 per
-    rank, a 4-rank job on shaped links made its first plan after 30 s instead of 10 s."""
+    `min_repeats` are timed and `budget_s` has passed since the first. Links are timed one
+    rank at a time while every rank waits, and a slow link's round trip can take over a
+    second (a 4 MB model through 56 Mbit/s): with a fixed 12 per rank, a 4-rank job on
+    shaped links made its first plan after 30 s instead of 10 s."""
 
     repeats: int = 10
     warmup: int = 1
