@@ -449,8 +449,9 @@ class MPICoordinator:
         """Round-trip push and pull of a real `payload_bytes` message to the root (collective).
 
         Returns (push, pull) TimingSummary. Ranks are served one at a time so they do
-        not compete, each for as many round trips as `trips` allows; the root measures a
-        message to itself (its server is a thread there).
+        not compete, each for as many round trips as `trips` allows (the same on every
+        rank: the root counts the warm-ups by it); the root measures a message to itself
+        (its server is a thread there).
         """
         trips = trips or RoundTrips()
         payload = bytearray(max(1, int(payload_bytes)))

@@ -125,7 +125,8 @@ class RoundTrips:
         if not 1 <= self.min_repeats <= self.repeats:
             raise ValueError(f"round trips: need 1 <= min_repeats <= repeats, got "
                              f"min_repeats={self.min_repeats!r}, repeats={self.repeats!r}")
-        if not (isinstance(self.budget_s, (int, float)) and self.budget_s >= 0):
+        if (not isinstance(self.budget_s, (int, float)) or isinstance(self.budget_s, bool)
+                or not self.budget_s >= 0):
             raise ValueError(f"round trips: budget_s must be >= 0, got {self.budget_s!r}")
 
     def enough(self, exchanges: int, elapsed_s: float) -> bool:
@@ -143,6 +144,8 @@ def measure_round_trip(exchange: Callable[[], Any], trips: RoundTrips = RoundTri
     for a pull, it sends a small request and receives the payload. The warm-up calls run
     first and are not recorded (connection set-up, buffer registration).
     """
+    if not isinstance(trips, RoundTrips):
+        raise TypeError(f"trips must be a RoundTrips, got {trips!r}")
     timer, start, exchanges = StepTimer(clock), clock(), 0
     while not trips.enough(exchanges, clock() - start):
         if exchanges < trips.warmup:

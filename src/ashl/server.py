@@ -626,7 +626,8 @@ class ServerThread:
             reply = Header(kind=Kind.REPLY, rank=self.server.rank, stage=Stage.DONE,
                            base_version=self.server.version, flags=Flag.STOP,
                            dtype=protocol.DType.FLOAT32, numel=model.numel())
-            if self.end.send(rank, reply, model) and self._send_json(rank, summary):
+            if (self.end.send(rank, reply, model, until_written=True)
+                    and self._send_json(rank, summary)):
                 reached.append(rank)
         return reached
 

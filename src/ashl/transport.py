@@ -102,8 +102,10 @@ class ServerEnd:
         """From now on rank `rank` is the connection that calls itself `identity`."""
         raise NotImplementedError(f"{type(self).__name__} has no replacements")
 
-    def send(self, dest: int, header: Header, payload=None) -> bool:
-        """Send one message to rank `dest`; False if that rank is gone."""
+    def send(self, dest: int, header: Header, payload=None, until_written: bool = False) -> bool:
+        """Send one message to rank `dest`; False if that rank is gone. The caller may change
+        the payload once this returns. `until_written`: return only once the message is on
+        its way (a final message: the end may close after it)."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -159,8 +161,8 @@ class MPIServerEnd(ServerEnd):
         return protocol.recv(self.comm, self.buffer, tag=protocol.TAG_TO_SERVER,
                              model_numel=self.model_numel)
 
-    def send(self, dest: int, header: Header, payload=None) -> bool:
-        protocol.send(self.comm, dest, header, payload, tag=protocol.TAG_TO_RANK)
+    def send(self, dest: int, header: Header, payload=None, until_written: bool = False) -> bool:
+        protocol.send(self.comm, dest, header, payload, tag=protocol.TAG_TO_RANK)  # blocking
         return True
 
 
@@ -177,6 +179,8 @@ class MPIRankEnd(RankEnd):
 
     def send(self, header: Header, payload=None,
              cancelled: Optional[threading.Event] = None) -> bool:
+        """A blocking MPI_Send: `cancelled` is not looked at (the send ends when the server
+        rank receives it, or MPI aborts)."""
         protocol.send(self.comm, self.server_rank, header, payload, tag=protocol.TAG_TO_SERVER)
         return True
 
@@ -248,7 +252,8 @@ def _recv_frames(sock, buffer: MessageBuffer) -> int:
     return head + off
 
 
-def _send_parts(sock, prefix: list, header: Header, payload, copy: bool) -> bool:
+def _send_parts(sock, prefix: list, header: Header, payload, copy: bool,
+                wait: Optional[float] = None) -> bool:
     """Header frame, then the payload in frames of at most _CHUNK bytes.
 
     `copy`: the payload is copied into ZeroMQ's messages now, and the caller may change it
@@ -256,7 +261,8 @@ def _send_parts(sock, prefix: list, header: Header, payload, copy: bool) -> bool
     merging into. Without a copy ZeroMQ holds the caller's memory until the message is
     written out: a rank, which reuses its send buffer only after the reply (which the server
     sends once it has the whole commit), and whose commit may sit queued for a server that
-    is gone (a DEALER queues for ever), so nothing waits for it."""
+    is gone (a DEALER queues for ever), so nothing waits for it. `wait` (seconds, without a
+    copy): return once ZeroMQ has written the payload out, False if that took longer."""
     import zmq
     head = protocol.encode(header)
     want = header.payload_nbytes
@@ -271,8 +277,15 @@ def _send_parts(sock, prefix: list, header: Header, payload, copy: bool) -> bool
     chunks = [body[i:i + _CHUNK] for i in range(0, want, _CHUNK)]
     for part in prefix + [head]:
         sock.send(part, zmq.SNDMORE)
-    for i, chunk in enumerate(chunks):
-        sock.send(chunk, 0 if i == len(chunks) - 1 else zmq.SNDMORE, copy=copy)
+    track = wait is not None and not copy
+    trackers = [sock.send(chunk, 0 if i == len(chunks) - 1 else zmq.SNDMORE, copy=copy,
+                          track=track) for i, chunk in enumerate(chunks)]
+    deadline = time.monotonic() + (wait or 0.0)
+    for tracker in trackers if track else ():
+        try:
+            tracker.wait(max(1e-3, deadline - time.monotonic()))
+        except zmq.NotDone:
+            return False
     return True
 
 
@@ -323,6 +336,7 @@ class ZmqServerEnd(ServerEnd):
         self.sock = self.context.socket(zmq.ROUTER)
         _heartbeats(self.sock, heartbeat_s, timeout_s)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)   # a reply to a gone peer fails, not vanishes
+        self.sock.copy_threshold = 0                     # every zero-copy frame tracked (send)
         # (ROUTER_NOTIFY would name the peer, but is a draft option the wheels do not build)
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.poller = zmq.Poller()
@@ -406,19 +420,24 @@ class ZmqServerEnd(ServerEnd):
     def assign(self, rank: int, identity: bytes) -> None:
         self.owner[rank] = identity
 
-    def send(self, dest: "int | bytes", header: Header, payload=None) -> bool:
+    def send(self, dest: "int | bytes", header: Header, payload=None,
+             until_written: bool = False) -> bool:
         """To rank `dest`, or to a peer's identity (bytes); False if it is gone or never
         connected. The payload is copied (4 MB in about a millisecond): held by ZeroMQ
         until written out, the global model could take no merge meanwhile, and over a slow
         link every other rank's commit waited behind the slowest rank's download; over
         inproc, until the server rank read it, after its current step. A rank has one
-        commit in flight, so the copies queued are at most one model per rank."""
+        commit in flight, so the copies queued are at most one model per rank.
+        `until_written`: not copied, and the send returns once it is written out (False
+        after timeout_s): the final model, which no longer changes, before the end closes
+        (its linger alone would give every rank's download one window)."""
         import zmq
         peer = dest if isinstance(dest, bytes) else self.owner.get(dest)
         if peer is None:
             return False
         try:
-            return _send_parts(self.sock, [peer], header, payload, copy=True)
+            return _send_parts(self.sock, [peer], header, payload, copy=not until_written,
+                               wait=self.timeout_s if until_written else None)
         except zmq.ZMQError as exc:
             if exc.errno == zmq.EHOSTUNREACH:
                 return False

@@ -71,7 +71,7 @@ def die_in_the_middle_of_a_send(end):
     import zmq
     from ashl import protocol
 
-    def send(header, payload=None):
+    def send(header, payload=None, cancelled=None):
         body = protocol._as_bytes(payload)
         end.sock.send(protocol.encode(header), zmq.SNDMORE)
         end.sock.send(body[:body.size // 2], zmq.SNDMORE, copy=True)

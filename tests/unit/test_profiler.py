@@ -74,7 +74,8 @@ def test_step_timer_records_blocks_and_skips_failures():
 
 def test_round_trip_runs_warmup_then_repeats():
     calls = []
-    summary = measure_round_trip(lambda: calls.append(1), RoundTrips(repeats=7, warmup=3))
+    summary = measure_round_trip(lambda: calls.append(1),
+                                 RoundTrips(repeats=7, warmup=3, budget_s=float("inf")))
     assert len(calls) == 10 and summary.count == 7 and summary.warmup == 0
 
 
@@ -102,17 +103,32 @@ def test_round_trips_take_between_the_least_and_the_most(repeats, warmup, min_re
     now = [0.0]
     summary = measure_round_trip(lambda: now.__setitem__(0, now[0] + step_s), trips,
                                  clock=lambda: now[0])
-    assert min_repeats <= summary.count <= repeats
-    # one more would have been taken only while the budget was not yet spent
-    assert summary.count == repeats or (warmup + summary.count) * step_s >= budget_s - 1e-9
+    # the least that spends the budget, at least min_repeats, at most repeats
+    spends = next((k for k in range(repeats + 1)
+                   if now_after(warmup + k, step_s) >= budget_s), repeats)
+    assert summary.count == min(repeats, max(min_repeats, spends))
+
+
+def now_after(exchanges, step_s):
+    """The clock after `exchanges` steps of `step_s`, summed as the test's clock sums them."""
+    now = 0.0
+    for _ in range(exchanges):
+        now += step_s
+    return now
 
 
 @pytest.mark.parametrize("bad", [dict(repeats=0), dict(min_repeats=0), dict(min_repeats=11),
                                  dict(warmup=-1), dict(budget_s=-1.0), dict(repeats=2.5),
-                                 dict(budget_s="1")])
+                                 dict(budget_s="1"), dict(budget_s=True),
+                                 dict(budget_s=float("nan"))])
 def test_round_trips_refuse_a_count_or_budget_that_cannot_be(bad):
     with pytest.raises(ValueError, match="round trips"):
         RoundTrips(**bad)
+
+
+def test_round_trips_are_given_as_round_trips():
+    with pytest.raises(TypeError, match="RoundTrips"):
+        measure_round_trip(lambda: None, 20)
 
 
 def test_rank_profiler_builds_profile():

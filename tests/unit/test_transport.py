@@ -240,6 +240,32 @@ def test_the_server_may_change_a_payload_once_send_returns(ends, tail):
     assert not got.any(), f"{int(got.count_nonzero())} of {numel} values changed after send()"
 
 
+def test_the_final_model_goes_without_a_copy_and_its_send_waits_until_it_is_written(ends):
+    """The final model no longer changes: it is not copied, and its send returns once it
+    is written out (the end may close after it), or False after timeout_s for a rank that
+    does not read (here 0.5 s)."""
+    numel = (3 * CHUNK + 16) // 4
+    server = ZmqServerEnd(2, numel, heartbeat_s=5.0, timeout_s=0.5)
+    ends.open.append(server)
+    peer = HandRolledDealer(server.port, b"ashl-rank-1")
+    try:
+        peer.send(protocol.encode(header(Kind.PLAN, 1, DType.UINT8, 0)))
+        assert poll(server).source == 1
+        final, reply = torch.ones(numel), header(Kind.REPLY, 0, DType.FLOAT32, numel)
+        assert server.send(1, reply, final, until_written=True) is False   # not read
+        messages = []
+        reader = threading.Thread(target=lambda: messages.extend([peer.recv(), peer.recv()]))
+        reader.start()
+        assert server.send(1, reply, final, until_written=True) is True
+        reader.join(WAIT_S)
+        assert not reader.is_alive()
+    finally:
+        peer.close()
+    for frames in messages:
+        got = torch.frombuffer(bytearray(b"".join(frames[1:])), dtype=torch.float32)
+        assert got.numel() == numel and bool((got == 1.0).all())
+
+
 def test_a_rank_that_reads_slowly_holds_up_no_other_ranks_reply(ends):
     """A slow link's rank takes its reply late (here it reads nothing until the next rank
     has its own): the send to it returns, and the next rank's reply arrives meanwhile.
@@ -319,12 +345,13 @@ def test_closing_the_client_ends_an_uploader_stuck_in_such_a_send_at_once(ends):
     client.begin(Compression.none.compress(torch.zeros(10)),
                  Commit(stage=Stage.AHL, number=0, base_version=0, plan_version=1, epoch=0,
                         local_steps=1))
-    uploader = client.inflight.uploader
+    flight = client.inflight
     time.sleep(0.3)
-    assert uploader.is_alive()          # inside the send
+    assert flight.uploader.is_alive()   # inside the send
     started = time.monotonic()
     client.close()
-    assert not uploader.is_alive() and time.monotonic() - started < 1.0
+    assert not flight.uploader.is_alive() and time.monotonic() - started < 1.0
+    assert flight.sent is False and flight.upload_error is None     # given up, not failed
 
 
 def test_send_to_a_rank_that_never_connected_says_false(ends):
