@@ -37,7 +37,7 @@ import json
 import math
 import struct
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -47,7 +47,7 @@ from .stages import Stage
 __all__ = [
     "MAGIC", "VERSION", "HEADER_SIZE", "MAX_MESSAGE_BYTES", "MAX_PLAN_BYTES", "ProtocolError",
     "Kind", "DType", "Flag", "Header", "encode", "decode", "validate",
-    "MessageBuffer", "Message", "send", "recv", "received", "dense_view", "sparse_views",
+    "MessageBuffer", "Message", "send", "packed", "isend", "recv", "received", "dense_view", "sparse_views",
     "max_payload_nbytes", "json_payload", "TAG_TO_SERVER", "TAG_TO_RANK",
 ]
 
@@ -449,6 +449,21 @@ def _mpi():
     return MPI
 
 
+def _body(header: Header, payload) -> Optional[np.ndarray]:
+    """The payload's bytes (no copy), checked against the header; None when it has none."""
+    want = header.payload_nbytes
+    if want == 0:
+        if payload is not None and _as_bytes(payload).size != 0:
+            raise ValueError(f"{Kind(header.kind).name} carries no payload but one was given")
+        return None
+    if payload is None:
+        raise ValueError(f"{Kind(header.kind).name} needs a {want}-byte payload")
+    body = _as_bytes(payload)
+    if body.size != want:
+        raise ValueError(f"payload has {body.size} bytes but the header says {want}")
+    return body
+
+
 def send(comm, dest: int, header: Header, payload=None, tag: int = TAG_TO_SERVER) -> None:
     """Send header + payload as one message, without copying the payload.
 
@@ -458,24 +473,35 @@ def send(comm, dest: int, header: Header, payload=None, tag: int = TAG_TO_SERVER
     """
     MPI = _mpi()
     head = np.frombuffer(encode(header), dtype=np.uint8)
-    want = header.payload_nbytes
-    if want == 0:
-        if payload is not None and _as_bytes(payload).size != 0:
-            raise ValueError(f"{Kind(header.kind).name} carries no payload but one was given")
+    body = _body(header, payload)
+    if body is None:
         comm.Send([head, MPI.BYTE], dest, tag)
         return
-    if payload is None:
-        raise ValueError(f"{Kind(header.kind).name} needs a {want}-byte payload")
-    body = _as_bytes(payload)
-    if body.size != want:
-        raise ValueError(f"payload has {body.size} bytes but the header says {want}")
     # One message from two buffers: a struct datatype over absolute addresses.
-    dt = MPI.Datatype.Create_struct([HEADER_SIZE, want], [MPI.Get_address(head), MPI.Get_address(body)],
+    dt = MPI.Datatype.Create_struct([HEADER_SIZE, body.size],
+                                    [MPI.Get_address(head), MPI.Get_address(body)],
                                     [MPI.BYTE, MPI.BYTE]).Commit()
     try:
         comm.Send([MPI.BOTTOM, 1, dt], dest, tag)
     finally:
         dt.Free()
+
+
+def packed(header: Header, payload=None) -> np.ndarray:
+    """Header + payload copied into one new array: a message to send later (``isend``),
+    whatever becomes of the payload meanwhile."""
+    body = _body(header, payload)
+    message = np.empty(header.nbytes, dtype=np.uint8)
+    message[:HEADER_SIZE] = np.frombuffer(encode(header), dtype=np.uint8)
+    if body is not None:
+        message[HEADER_SIZE:] = body
+    return message
+
+
+def isend(comm, dest: int, message: np.ndarray, tag: int = TAG_TO_RANK):
+    """Start sending a ``packed`` message; the request, which must complete before
+    `message` is dropped."""
+    return comm.Isend([message, _mpi().BYTE], dest, tag)
 
 
 def recv(comm, buffer: MessageBuffer, *, source: int | None = None, tag: int = TAG_TO_SERVER,

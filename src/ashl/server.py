@@ -528,6 +528,7 @@ class ServerThread:
                     log.error("rejected a malformed message: %s", exc)
                     continue
                 self._serve(event)
+            self.end.drain()   # the last replies reach their ranks before the thread ends
             self._clocks()
         except BaseException as exc:  # noqa: BLE001 - reported to the training thread
             self.error = exc

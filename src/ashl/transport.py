@@ -20,9 +20,10 @@ Both carry exactly the messages of protocol.py (one 128-byte header, then the pa
   is faster than TCP (RDMA). Fail-stop: Open MPI ends the job when a rank dies. Its waits
   sleep-poll (``Iprobe`` + a ``poll_s`` sleep: Open MPI's blocking probe spins a core).
 
-Neither end copies a payload to send it (ZeroMQ sends it in frames of at most 8 MiB
-straight from the caller's buffer), and both return from ``send`` once the buffer may be
-changed again; a received message lands in the caller's preallocated MessageBuffer.
+A rank's end sends its commit without a copy (ZeroMQ in frames of at most 8 MiB straight
+from the caller's buffer); the server's end copies each reply, so that a rank slow to read
+holds up no other rank's commit. Both return from ``send`` once the buffer may be changed
+again; a received message lands in the caller's preallocated MessageBuffer.
 """
 from __future__ import annotations
 
@@ -108,6 +109,12 @@ class ServerEnd:
         its way (a final message: the end may close after it)."""
         raise NotImplementedError
 
+    def drain(self) -> None:
+        """Return once no message sent needs this thread any more (the server's last
+        replies, before its thread ends): over MPI, once each send has completed (a large
+        one: its rank has received it); ZeroMQ's own I/O thread writes out what it was
+        given."""
+
     def close(self) -> None:
         pass
 
@@ -145,11 +152,20 @@ class RankEnd:
 # --------------------------------------------------------------------------- MPI
 
 class MPIServerEnd(ServerEnd):
-    """Commits on ``protocol.TAG_TO_SERVER`` from any rank, replies on ``TAG_TO_RANK``."""
+    """Commits on ``protocol.TAG_TO_SERVER`` from any rank, replies on ``TAG_TO_RANK``.
+
+    A reply is a copy sent with MPI_Isend. A blocking MPI_Send of a large message returns
+    only once the rank has posted its receive, which an overlapped rank does between its
+    steps: the server thread would merge no other rank's commit meanwhile. MPI keeps the
+    messages to one rank in order, and a rank has one commit in flight, so at most a few
+    copies per rank are outstanding. Open MPI moves a large send on only while its process
+    calls MPI: the server thread polls this end between commits, and `drain`s it before it
+    ends (the training thread may next wait in a collective that is not MPI's)."""
 
     def __init__(self, comm, model_numel: int, *, poll_s: float = 2e-4):
         self.comm, self.model_numel, self.poll_s = comm, model_numel, poll_s
         self.buffer = MessageBuffer(protocol.max_payload_nbytes(model_numel))
+        self.outstanding: list = []    # (request, message): the copies MPI may still read
 
     def poll(self, timeout_s: float):
         from mpi4py import MPI
@@ -162,8 +178,34 @@ class MPIServerEnd(ServerEnd):
                              model_numel=self.model_numel)
 
     def send(self, dest: int, header: Header, payload=None, until_written: bool = False) -> bool:
-        protocol.send(self.comm, dest, header, payload, tag=protocol.TAG_TO_RANK)  # blocking
+        """`until_written`: return once it (and every reply before it) is received."""
+        self._drop_sent()
+        message = protocol.packed(header, payload)
+        request = protocol.isend(self.comm, dest, message, tag=protocol.TAG_TO_RANK)
+        self.outstanding.append((request, message))
+        if until_written:
+            self.drain()
         return True
+
+    def _drop_sent(self) -> None:
+        self.outstanding = [(r, m) for r, m in self.outstanding if not r.Test()]
+
+    def drain(self) -> None:
+        """Until every send has completed, as each blocking send used to wait."""
+        self._drop_sent()
+        while self.outstanding:
+            time.sleep(self.poll_s)
+            self._drop_sent()
+
+    def close(self) -> None:
+        """A copy whose send has not completed (a rank that stopped reading: the run is
+        ending) is kept for the process's lifetime, since MPI may yet read it."""
+        self._drop_sent()
+        _UNREAD.extend(self.outstanding)
+        self.outstanding = []
+
+
+_UNREAD: list = []   # (request, message) of the closed MPIServerEnds: see close()
 
 
 class MPIRankEnd(RankEnd):

@@ -86,3 +86,12 @@ def test_a_frozen_worker_ends_a_fail_stop_zmq_run_with_an_error_naming_it(tmp_pa
     assert rc != 0, text[-3000:]
     assert "LostPeerError: lost rank 2" in text and "fail-stop" in text, text[-3000:]
     assert not (out / "summary.json").exists()     # a failed run, not one that went on
+
+
+@pytest.mark.timeout(120)
+def test_an_mpi_rank_that_reads_slowly_holds_up_no_other_ranks_reply():
+    """The server replies to rank 1, then rank 2; rank 1 reads only once rank 2 has its
+    reply. With a blocking MPI_Send the server waited on rank 1 (slow_reader.py)."""
+    proc = _util.mpirun(3, _util.ROOT / "tests" / "mpi" / "slow_reader.py", timeout=90)
+    for rank in range(3):
+        assert f"rank {rank} OK" in proc.stdout, proc.stdout[-4000:]

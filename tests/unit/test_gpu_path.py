@@ -15,6 +15,7 @@ from ashl.server import ParameterServer, ServerThread
 from ashl.stages import StageConfig
 from ashl.staging import GROWTH, WireStaging
 from ashl.strategies.runtime import horovod_gpu_operations, horovod_reduces_on
+from ashl.transport import ServerEnd
 
 CUDA = torch.device("cuda:0")
 
@@ -36,7 +37,7 @@ def parameter_server(numel=6, outer="none"):
                            outer=make_outer(outer, numel, round_updates=1))
 
 
-class IdleEnd:
+class IdleEnd(ServerEnd):
     def poll(self, timeout):
         return None
 

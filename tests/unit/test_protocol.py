@@ -316,6 +316,35 @@ def test_send_checks_payload_size(MPI):
 
 
 @pytest.mark.timeout(30)
+def test_a_packed_message_is_a_copy_that_arrives_as_sent(MPI):
+    comm = MPI.COMM_SELF
+    buf = P.MessageBuffer(P.max_payload_nbytes(NUMEL))
+    delta = torch.randn(NUMEL)
+    expected = delta.clone()
+    message = P.packed(dense(rank=0, numel=NUMEL), delta)
+    delta.fill_(0.0)                      # changed before the send: the copy is sent
+    request = P.isend(comm, 0, message, tag=P.TAG_TO_RANK)
+    m = P.recv(comm, buf, source=0, tag=P.TAG_TO_RANK, model_numel=NUMEL)
+    request.Wait()
+    assert m.header.commit == 3 and torch.equal(m.dense(), expected)
+    request = P.isend(comm, 0, P.packed(Header(Kind.REPLY, rank=0)), tag=P.TAG_TO_RANK)
+    m = P.recv(comm, buf, source=0, tag=P.TAG_TO_RANK, model_numel=NUMEL)
+    request.Wait()
+    assert m.header.kind == Kind.REPLY and m.payload.numel() == 0
+
+
+def test_packed_checks_the_payload_as_send_does():
+    with pytest.raises(ValueError, match="payload has"):
+        P.packed(dense(rank=0), torch.zeros(NUMEL - 1))
+    with pytest.raises(ValueError, match="needs a"):
+        P.packed(dense(rank=0), None)
+    with pytest.raises(ValueError, match="no payload"):
+        P.packed(Header(Kind.REPLY, rank=0), torch.zeros(3))
+    with pytest.raises(ValueError, match="contiguous"):
+        P.packed(dense(rank=0, numel=10), torch.zeros(10, 2)[:, 0])
+
+
+@pytest.mark.timeout(30)
 def test_recv_checks_byte_count_and_drains_oversized(MPI):
     comm = MPI.COMM_SELF
     buf = P.MessageBuffer(4 * NUMEL)

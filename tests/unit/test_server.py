@@ -16,6 +16,7 @@ from ashl.server import (LATENCY_SAMPLES, ParameterServer, ServerStats, busy_fra
 from ashl.staleness import parse_staleness
 from ashl.stages import Stage, StageConfig
 from ashl.staging import WireStaging
+from ashl.transport import ServerEnd
 
 N = 10
 
@@ -374,7 +375,7 @@ def test_the_server_thread_sets_its_own_kernel_threads(monkeypatch):
     monkeypatch.setattr(server_module.kernels, "set_num_threads",
                         lambda n: calls.append((threading.current_thread().name, n)))
 
-    class IdleEnd:
+    class IdleEnd(ServerEnd):
         def poll(self, timeout):
             return None
 

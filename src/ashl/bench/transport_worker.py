@@ -122,7 +122,8 @@ def answer(server, hold_s: float = 0.0) -> "dict | None":
                    base_version=h.commit, flags=Flag.ACCEPTED)
     if not server.send(h.rank, reply, event.payload):
         raise RuntimeError(f"rank {h.rank} is unreachable")
-    return held
+    server.drain()   # the next round may be the other transport's: MPI's send moves on
+    return held      # only while this process calls MPI (a real server keeps polling)
 
 
 def serve(ends: dict, rounds: list, hold_s: float = 0.0, main=None) -> list:
