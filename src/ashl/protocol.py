@@ -487,11 +487,13 @@ def send(comm, dest: int, header: Header, payload=None, tag: int = TAG_TO_SERVER
         dt.Free()
 
 
-def packed(header: Header, payload=None) -> np.ndarray:
-    """Header + payload copied into one new array: a message to send later (``isend``),
-    whatever becomes of the payload meanwhile."""
+def packed(header: Header, payload=None, out: Optional[np.ndarray] = None) -> np.ndarray:
+    """Header + payload copied into one array (`out`, if it is a uint8 array of the
+    message's size, else a new one): a message to send later (``isend``), whatever becomes
+    of the payload meanwhile."""
     body = _body(header, payload)
-    message = np.empty(header.nbytes, dtype=np.uint8)
+    fits = out is not None and out.dtype == np.uint8 and out.shape == (header.nbytes,)
+    message = out if fits else np.empty(header.nbytes, dtype=np.uint8)
     message[:HEADER_SIZE] = np.frombuffer(encode(header), dtype=np.uint8)
     if body is not None:
         message[HEADER_SIZE:] = body

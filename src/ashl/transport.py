@@ -157,19 +157,24 @@ class MPIServerEnd(ServerEnd):
     A reply is a copy sent with MPI_Isend. A blocking MPI_Send of a large message returns
     only once the rank has posted its receive, which an overlapped rank does between its
     steps: the server thread would merge no other rank's commit meanwhile. MPI keeps the
-    messages to one rank in order, and a rank has one commit in flight, so at most a few
-    copies per rank are outstanding. Open MPI moves a large send on only while its process
-    calls MPI: the server thread polls this end between commits, and `drain`s it before it
-    ends (the training thread may next wait in a collective that is not MPI's)."""
+    messages to one rank in order, and a rank has one commit in flight, so at most its reply
+    and a plan are outstanding per rank; the copies of completed sends are reused (one
+    allocation, and on RDMA one registration, per buffer rather than per reply). Open MPI
+    moves a large send on only while its process calls MPI: the server thread polls this
+    end between commits, and `drain`s it before it ends (the training thread may next wait
+    in a collective that is not MPI's)."""
 
     def __init__(self, comm, model_numel: int, *, poll_s: float = 2e-4):
         self.comm, self.model_numel, self.poll_s = comm, model_numel, poll_s
         self.buffer = MessageBuffer(protocol.max_payload_nbytes(model_numel))
         self.outstanding: list = []    # (request, message): the copies MPI may still read
+        self.spare: list = []          # copies whose send completed, for the next replies
+        self.max_spare = comm.Get_size()
 
     def poll(self, timeout_s: float):
         from mpi4py import MPI
         deadline = time.monotonic() + timeout_s
+        self._drop_sent()
         while not self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=protocol.TAG_TO_SERVER):
             if time.monotonic() >= deadline:
                 return None
@@ -178,9 +183,12 @@ class MPIServerEnd(ServerEnd):
                              model_numel=self.model_numel)
 
     def send(self, dest: int, header: Header, payload=None, until_written: bool = False) -> bool:
-        """`until_written`: return once it (and every reply before it) is received."""
+        """`until_written`: return once its send (and every one before it) has completed:
+        a large message, once the rank has received it."""
         self._drop_sent()
-        message = protocol.packed(header, payload)
+        fit = next((i for i, m in enumerate(self.spare) if m.size == header.nbytes), None)
+        message = protocol.packed(header, payload,
+                                  out=None if fit is None else self.spare.pop(fit))
         request = protocol.isend(self.comm, dest, message, tag=protocol.TAG_TO_RANK)
         self.outstanding.append((request, message))
         if until_written:
@@ -188,7 +196,13 @@ class MPIServerEnd(ServerEnd):
         return True
 
     def _drop_sent(self) -> None:
-        self.outstanding = [(r, m) for r, m in self.outstanding if not r.Test()]
+        still = []
+        for request, message in self.outstanding:
+            if not request.Test():
+                still.append((request, message))
+            elif message.size >= _SPARE_MIN_BYTES and len(self.spare) < self.max_spare:
+                self.spare.append(message)
+        self.outstanding = still
 
     def drain(self) -> None:
         """Until every send has completed, as each blocking send used to wait."""
@@ -198,14 +212,15 @@ class MPIServerEnd(ServerEnd):
             self._drop_sent()
 
     def close(self) -> None:
-        """A copy whose send has not completed (a rank that stopped reading: the run is
-        ending) is kept for the process's lifetime, since MPI may yet read it."""
+        """A copy whose send has not completed (the server thread failed before its rank
+        read it) is kept for the process's lifetime, since MPI may yet read it."""
         self._drop_sent()
         _UNREAD.extend(self.outstanding)
-        self.outstanding = []
+        self.outstanding, self.spare = [], []
 
 
 _UNREAD: list = []   # (request, message) of the closed MPIServerEnds: see close()
+_SPARE_MIN_BYTES = 1 << 16   # smaller copies (a plan, a stop) cost nothing to allocate
 
 
 class MPIRankEnd(RankEnd):

@@ -10,7 +10,7 @@ import traceback
 import numpy as np
 from mpi4py import MPI
 
-from ashl import protocol as P, transport
+from ashl import protocol as P
 from ashl.stages import Stage
 from ashl.transport import MPIRankEnd, MPIServerEnd
 
@@ -52,7 +52,6 @@ if rank == 0:
     model[:] = -1                                   # the merges after the replies
     end.send(1, reply(3), model, until_written=True)   # returns once rank 1 has it
     end.close()
-    assert transport._UNREAD == [], "a copy the ranks read counts as unread"
 else:
     end = MPIRankEnd(comm, 0, NUMEL)
     buffer = P.MessageBuffer(4 * NUMEL)

@@ -724,3 +724,54 @@ def test_a_rank_end_polling_a_closed_server_raises_server_lost(ends):
     with pytest.raises(ServerLost, match="connection closed"):
         while time.monotonic() < deadline:
             rank.poll(0.05)
+
+
+# --- MPIServerEnd in-process (COMM_SELF: the server and its rank are this process) ---------
+
+@pytest.fixture
+def self_end():
+    pytest.importorskip("mpi4py")
+    from mpi4py import MPI
+    numel = 1 << 16        # 256 KiB replies: sent in rendezvous, so a send waits for its receive
+    end = transport.MPIServerEnd(MPI.COMM_SELF, numel)
+    yield end, numel, MPI.COMM_SELF
+    end.close()
+
+
+def received_reply(comm, numel):
+    buffer = MessageBuffer(4 * numel)
+    return protocol.recv(comm, buffer, source=0, tag=protocol.TAG_TO_RANK, model_numel=numel)
+
+
+@pytest.mark.timeout(30)
+def test_an_mpi_reply_is_the_model_as_sent_and_its_copy_is_reused(self_end):
+    end, numel, comm = self_end
+    model = torch.zeros(numel)
+    for version in (1, 2):
+        model.fill_(version)
+        end.send(0, header(Kind.REPLY, 0, DType.FLOAT32, numel), model)
+        copy = end.outstanding[-1][1]
+        model.fill_(-1.0)                        # the next merge, before the rank reads
+        reply = received_reply(comm, numel)
+        assert float(reply.dense().min()) == float(reply.dense().max()) == version
+        end.drain()
+        assert end.outstanding == [] and end.spare[-1] is copy
+    end.send(0, header(Kind.REPLY, 0, DType.FLOAT32, numel), model)
+    assert end.outstanding[-1][1] is copy and end.spare == []   # the same buffer again
+    received_reply(comm, numel)
+
+
+@pytest.mark.timeout(30)
+def test_a_closed_mpi_end_keeps_the_copy_of_a_reply_not_yet_read(self_end):
+    end, numel, comm = self_end
+    model = torch.full((numel,), 3.0)
+    end.send(0, header(Kind.REPLY, 0, DType.FLOAT32, numel), model)
+    request, copy = end.outstanding[0]
+    end.close()
+    assert end.outstanding == [] and transport._UNREAD[-1][1] is copy
+    try:
+        reply = received_reply(comm, numel)      # MPI reads the kept copy
+        request.Wait()
+        assert float(reply.dense().min()) == 3.0
+    finally:
+        transport._UNREAD.pop()
