@@ -12,5 +12,7 @@ for trips in (RoundTrips(repeats=6, warmup=1, min_repeats=2, budget_s=0.0),
               RoundTrips(repeats=6, warmup=2, min_repeats=2, budget_s=60.0)):
     push, pull = mc.measure_link(1 << 16, trips)
     counts.append([push.count, pull.count])
-print("COUNTS " + json.dumps({"rank": mc.rank, "counts": counts}), flush=True)
+every = mc.comm.gather(counts, root=mc.root)   # one line from the root: the ranks' own
+if mc.is_root:                                   # prints could interleave on mpirun's stdout
+    print("COUNTS " + json.dumps(every), flush=True)
 mc.close()
