@@ -47,8 +47,8 @@ from .stages import Stage
 __all__ = [
     "MAGIC", "VERSION", "HEADER_SIZE", "MAX_MESSAGE_BYTES", "MAX_PLAN_BYTES", "ProtocolError",
     "Kind", "DType", "Flag", "Header", "encode", "decode", "validate",
-    "MessageBuffer", "Message", "send", "packed", "isend", "recv", "received", "dense_view", "sparse_views",
-    "max_payload_nbytes", "json_payload", "TAG_TO_SERVER", "TAG_TO_RANK",
+    "MessageBuffer", "Message", "send", "packed", "isend", "recv", "received", "dense_view",
+    "sparse_views", "max_payload_nbytes", "json_payload", "TAG_TO_SERVER", "TAG_TO_RANK",
 ]
 
 MAGIC = b"ASHL"
@@ -488,16 +488,19 @@ def send(comm, dest: int, header: Header, payload=None, tag: int = TAG_TO_SERVER
 
 
 def packed(header: Header, payload=None, out: Optional[np.ndarray] = None) -> np.ndarray:
-    """Header + payload copied into one array (`out`, if it is a uint8 array of the
-    message's size, else a new one): a message to send later (``isend``), whatever becomes
-    of the payload meanwhile."""
+    """Header + payload copied into one array (`out`, a uint8 array of the message's size,
+    or a new one): a message to send later (``isend``), whatever becomes of the payload
+    meanwhile."""
     body = _body(header, payload)
-    fits = out is not None and out.dtype == np.uint8 and out.shape == (header.nbytes,)
-    message = out if fits else np.empty(header.nbytes, dtype=np.uint8)
-    message[:HEADER_SIZE] = np.frombuffer(encode(header), dtype=np.uint8)
+    if out is None:
+        out = np.empty(header.nbytes, dtype=np.uint8)
+    elif out.dtype != np.uint8 or out.shape != (header.nbytes,):
+        raise ValueError(f"out must be a uint8 array of {header.nbytes} bytes, got "
+                         f"{out.dtype} {out.shape}")
+    out[:HEADER_SIZE] = np.frombuffer(encode(header), dtype=np.uint8)
     if body is not None:
-        message[HEADER_SIZE:] = body
-    return message
+        out[HEADER_SIZE:] = body
+    return out
 
 
 def isend(comm, dest: int, message: np.ndarray, tag: int = TAG_TO_RANK):

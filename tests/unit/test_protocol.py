@@ -342,6 +342,9 @@ def test_packed_checks_the_payload_as_send_does():
         P.packed(Header(Kind.REPLY, rank=0), torch.zeros(3))
     with pytest.raises(ValueError, match="contiguous"):
         P.packed(dense(rank=0, numel=10), torch.zeros(10, 2)[:, 0])
+    with pytest.raises(ValueError, match="out must be"):
+        P.packed(dense(rank=0, numel=10), torch.zeros(10),
+                 out=np.empty(P.HEADER_SIZE + 39, dtype=np.uint8))
 
 
 @pytest.mark.timeout(30)
