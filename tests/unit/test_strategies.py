@@ -11,6 +11,7 @@ import torch
 
 import ashl.torch as ashl
 from ashl.compression import Compression, Residual
+from ashl.coordinator import DriftConfig
 from ashl.stages import StageConfig
 from ashl.strategies import make_strategy
 from ashl.strategies.base import ProfileBarrier, Strategy
@@ -704,7 +705,10 @@ def test_a_parameter_server_checkpoint_restores_the_samplers_schedule_at_the_loa
         opt = ashl.DistributedOptimizer(
             torch.optim.SGD(model.parameters(), lr=0.05), model=model, comm=comm,
             profile_steps=3, eval_every_s=0, sampler=sampler, heterogeneity=slow,
-            stage_config=StageConfig(max_commits=4 if load else 8))
+            stage_config=StageConfig(max_commits=4 if load else 8),
+            # resumed without the emulated slowdown: a re-plan there would move the run's
+            # shares away from the saved plan this test compares against
+            drift_config=DriftConfig(enabled=not load))
         if load:
             opt.load_checkpoint(path)
         counts = sampler.counts()
@@ -734,7 +738,10 @@ def test_parameter_server_ranks_resumed_in_other_epochs_take_the_runs_shares_tog
         opt = ashl.DistributedOptimizer(
             torch.optim.SGD(model.parameters(), lr=0.05), model=model, comm=comm,
             profile_steps=3, eval_every_s=0, sampler=sampler, heterogeneity=slow,
-            stage_config=StageConfig(max_commits=4 if load else 8))
+            stage_config=StageConfig(max_commits=4 if load else 8),
+            # resumed without the emulated slowdown: a re-plan there would move the run's
+            # shares away from the saved plan this test compares against
+            drift_config=DriftConfig(enabled=not load))
         if not load:
             train(opt, model, x, y)
             opt.save_checkpoint(path)
