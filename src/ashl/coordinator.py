@@ -450,11 +450,13 @@ class MPICoordinator:
 
         Returns (push, pull) TimingSummary. Ranks are served one at a time so they do
         not compete, each for as many round trips as `trips` allows (the same on every
-        rank: the root counts the warm-ups by it); the root measures a message to itself
-        (its server is a thread there).
+        rank: the root counts the warm-ups and sizes the probe by it); the root measures a
+        message to itself (its server is a thread there). A payload larger than the
+        probe is timed as the probe and scaled (RoundTrips).
         """
         trips = trips or RoundTrips()
-        payload = bytearray(max(1, int(payload_bytes)))
+        payload = bytearray(trips.probe_size(payload_bytes))
+        scale = max(1, int(payload_bytes)) / len(payload)
         if self.is_root:
             sink = bytearray(len(payload))
 
@@ -471,7 +473,7 @@ class MPICoordinator:
         else:
             push, pull = self._time_link(payload, trips)
         self.barrier()
-        return push, pull
+        return push.scaled(scale), pull.scaled(scale)
 
     def _serve_link(self, rank: int, payload: bytearray, trips: RoundTrips) -> None:
         """The root's side of `rank`'s round trips, until its request says it was the last."""

@@ -15,6 +15,7 @@ Summary rule (works with 5 samples or 5,000):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import time
@@ -44,6 +45,13 @@ class TimingSummary:
 
     def to_dict(self) -> dict:
         return self.__dict__.copy()
+
+    def scaled(self, factor: float) -> "TimingSummary":
+        """Every time multiplied by `factor` (a probe's times, as the full payload's)."""
+        if not (math.isfinite(factor) and factor > 0):
+            raise ValueError(f"scale factor must be a finite number > 0, got {factor!r}")
+        return dataclasses.replace(self, mean=self.mean * factor, median=self.median * factor,
+                                   minimum=self.minimum * factor, maximum=self.maximum * factor)
 
 
 def summarize(samples: Iterable[float], *, warmup_fraction: float = DEFAULT_WARMUP_FRACTION,
@@ -110,15 +118,22 @@ class RoundTrips:
     `min_repeats` are timed and `budget_s` has passed since the first. Links are timed one
     rank at a time while every rank waits, and a slow link's round trip can take over a
     second (a 4 MB model through 56 Mbit/s): with a fixed 12 per rank, a 4-rank job on
-    shaped links made its first plan after 30 s instead of 10 s."""
+    shaped links made its first plan after 30 s instead of 10 s.
+
+    A timed message carries at most `probe_bytes` (`probe_size`); a larger payload's time is
+    the probe's scaled by payload / probe. Every rank's turn costs about the same then,
+    whatever the model's size (a 100 MB model takes 0.8 s each way at 1 Gbit/s). Scaling the
+    whole time over-estimates by the link's latency times (payload / probe - 1):
+    milliseconds, which the commits' own times then correct (drift)."""
 
     repeats: int = 10
     warmup: int = 1
     min_repeats: int = 2
     budget_s: float = 1.0
+    probe_bytes: int = 1 << 20
 
     def __post_init__(self) -> None:
-        for name in ("repeats", "warmup", "min_repeats"):
+        for name in ("repeats", "warmup", "min_repeats", "probe_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"round trips: {name} must be an integer >= 0, got {value!r}")
@@ -128,6 +143,12 @@ class RoundTrips:
         if (not isinstance(self.budget_s, (int, float)) or isinstance(self.budget_s, bool)
                 or not self.budget_s >= 0):
             raise ValueError(f"round trips: budget_s must be >= 0, got {self.budget_s!r}")
+        if self.probe_bytes < 1:
+            raise ValueError(f"round trips: probe_bytes must be >= 1, got {self.probe_bytes!r}")
+
+    def probe_size(self, payload_bytes: int) -> int:
+        """Bytes a timed message carries for a `payload_bytes` payload (at least one)."""
+        return max(1, min(int(payload_bytes), self.probe_bytes))
 
     def enough(self, exchanges: int, elapsed_s: float) -> bool:
         """Stop after `exchanges` exchanges (warm-ups included) that took `elapsed_s`?"""

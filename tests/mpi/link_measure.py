@@ -1,6 +1,7 @@
 """MPICoordinator.measure_link under mpirun: each rank times as many round trips as its
 RoundTrips allow (a spent budget, or the most), the root serves each rank until told that
-one was the last, and the collectives after it still line up."""
+one was the last, root and ranks agree on the probe's size (a message larger than the
+receive would be an MPI error), and the collectives after it still line up."""
 import json
 
 from ashl.coordinator import MPICoordinator
@@ -9,7 +10,8 @@ from ashl.profiler import RoundTrips
 mc = MPICoordinator()
 counts = []
 for trips in (RoundTrips(repeats=6, warmup=1, min_repeats=2, budget_s=0.0),
-              RoundTrips(repeats=6, warmup=2, min_repeats=2, budget_s=60.0)):
+              RoundTrips(repeats=6, warmup=2, min_repeats=2, budget_s=60.0),
+              RoundTrips(repeats=6, warmup=1, min_repeats=2, budget_s=0.0, probe_bytes=1000)):
     push, pull = mc.measure_link(1 << 16, trips)
     counts.append([push.count, pull.count])
 every = mc.comm.gather(counts, root=mc.root)   # one line from the root: the ranks' own

@@ -208,3 +208,39 @@ def test_a_late_epoch_report_never_moves_a_rank_back():
     commit(c, clock, 0, epoch=5)
     commit(c, clock, 0, epoch=4)             # out of order: the furthest stands
     assert c._epochs[0] == 5 and c._epoch_lead == 2
+
+
+def test_a_link_larger_than_the_probe_is_timed_as_the_probe_and_scaled(monkeypatch):
+    """Over three in-process ranks each message of the measurement carries at most the
+    probe, and each rank's times come back as the payload's: a send here lasts at least
+    1 us a byte, so a 1,000-byte probe takes 1 ms and the 64 KiB payload's time 65 ms."""
+    import time as _time
+
+    from fake_world import FakeComm, FakeWorld
+
+    from ashl import coordinator
+    from ashl.coordinator import MPICoordinator
+    from ashl.profiler import RoundTrips
+
+    sizes, real_send = [], FakeComm.Send
+
+    def send(self, buf, dest, tag=0):
+        n = memoryview(buf).nbytes
+        if tag in (coordinator._LINK_PUSH, coordinator._LINK_PULL):
+            sizes.append(n)
+        _time.sleep(n * 1e-6)
+        real_send(self, buf, dest, tag)
+
+    monkeypatch.setattr(FakeComm, "Send", send)
+    payload, trips = 1 << 16, RoundTrips(repeats=3, warmup=1, budget_s=0.0, probe_bytes=1000)
+
+    def run(comm, hvd):
+        mc = MPICoordinator(comm)
+        push, pull = mc.measure_link(payload, trips)
+        mc.close()
+        return push, pull
+
+    for push, pull in FakeWorld(3).run(run):
+        assert push.count == pull.count == 2
+        assert push.minimum >= payload * 1e-6 and pull.minimum >= payload * 1e-6
+    assert max(sizes) == 1000 and sizes.count(1000) >= 2 * 2 * 3

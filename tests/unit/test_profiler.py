@@ -120,10 +120,28 @@ def now_after(exchanges, step_s):
 @pytest.mark.parametrize("bad", [dict(repeats=0), dict(min_repeats=0), dict(min_repeats=11),
                                  dict(warmup=-1), dict(budget_s=-1.0), dict(repeats=2.5),
                                  dict(budget_s="1"), dict(budget_s=True),
-                                 dict(budget_s=float("nan"))])
+                                 dict(budget_s=float("nan")), dict(probe_bytes=0),
+                                 dict(probe_bytes=1.5), dict(probe_bytes=True)])
 def test_round_trips_refuse_a_count_or_budget_that_cannot_be(bad):
     with pytest.raises(ValueError, match="round trips"):
         RoundTrips(**bad)
+
+
+@given(payload=st.integers(-3, 1 << 24), probe=st.integers(1, 1 << 22))
+def test_a_probe_is_the_payload_up_to_the_cap_and_never_empty(payload, probe):
+    size = RoundTrips(probe_bytes=probe).probe_size(payload)
+    assert size == max(1, min(payload, probe))
+
+
+def test_a_scaled_summary_scales_every_time_and_keeps_the_counts():
+    s = summarize([0.3, 0.1, 0.2, 0.4], min_warmup=0)
+    x = s.scaled(4.0)
+    assert (x.count, x.warmup, x.trimmed, x.used) == (s.count, s.warmup, s.trimmed, s.used)
+    assert (x.mean, x.median, x.minimum, x.maximum) == pytest.approx(
+        (4 * s.mean, 4 * s.median, 4 * s.minimum, 4 * s.maximum))
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="scale factor"):
+            s.scaled(bad)
 
 
 def test_round_trips_are_given_as_round_trips():
