@@ -391,6 +391,7 @@ def wait_polled(request: Any, poll_s: float = 5e-4) -> Any:
 
 
 _LINK_GO, _LINK_PUSH, _LINK_ACK, _LINK_REQ, _LINK_PULL = 7111, 7112, 7113, 7114, 7115
+_MORE, _PROBE = 1, 2    # a link request's bits: another exchange follows; this pull is the probe
 
 
 class MPICoordinator:
@@ -446,71 +447,90 @@ class MPICoordinator:
 
     # -------------------------------------------------------------- profiling
     def measure_link(self, payload_bytes: int, trips: RoundTrips | None = None):
-        """Round-trip push and pull of a real `payload_bytes` message to the root (collective).
+        """Round-trip push and pull of a `payload_bytes` message to the root (collective).
 
         Returns (push, pull) TimingSummary. Ranks are served one at a time so they do
-        not compete, each for as many round trips as `trips` allows (the same on every
-        rank: the root counts the warm-ups and sizes the probe by it); the root measures a
-        message to itself (its server is a thread there). A payload larger than the
-        probe is timed as the probe and scaled (RoundTrips).
+        not compete, each for as many round trips as its `trips` allow; the root follows
+        each rank's requests and must only hold the largest probe. A payload larger than the
+        probe is timed as the probe and extrapolated (RoundTrips). The root measures a
+        message to itself (its server is a thread there).
         """
         trips = trips or RoundTrips()
-        payload = bytearray(trips.probe_size(payload_bytes))
-        scale = max(1, int(payload_bytes)) / len(payload)
+        size = max(1, int(payload_bytes))
+        probe = bytearray(trips.probe_size(size))
+        scale, latency_trips = size / len(probe), trips.latency_trips(size)
         if self.is_root:
-            sink = bytearray(len(payload))
-
-            def copy() -> None:  # a memory copy, as the root's own commits are
-                request = self.comm.Irecv(sink, source=self.rank, tag=_LINK_PUSH)
-                self.comm.Send(payload, dest=self.rank, tag=_LINK_PUSH)
-                request.Wait()
-
-            push = measure_round_trip(copy, trips)
-            pull = measure_round_trip(copy, trips)
+            push, pull, latency = self._time_copy(probe, trips, latency_trips)
+            push_latency = pull_latency = latency
             for r in range(self.size):
                 if r != self.root:
-                    self._serve_link(r, payload, trips)
+                    self._serve_link(r, probe)
         else:
-            push, pull = self._time_link(payload, trips)
+            push, pull, push_latency, pull_latency = self._time_link(probe, trips, latency_trips)
         self.barrier()
-        return push.scaled(scale), pull.scaled(scale)
+        return push.extrapolated(push_latency, scale), pull.extrapolated(pull_latency, scale)
 
-    def _serve_link(self, rank: int, payload: bytearray, trips: RoundTrips) -> None:
-        """The root's side of `rank`'s round trips, until its request says it was the last."""
-        one, more = bytearray(1), bytearray([1])
+    def _time_copy(self, probe: bytearray, trips: RoundTrips, latency_trips: int):
+        """The root's push and pull: an MPI message to itself, a memory copy as its own
+        commits are; and the least time of a one-byte one as the latency."""
+        sink = bytearray(len(probe))
+
+        def copy(message: bytearray) -> None:
+            request = self.comm.Irecv(sink, source=self.rank, tag=_LINK_PUSH)
+            self.comm.Send(message, dest=self.rank, tag=_LINK_PUSH)
+            request.Wait()
+
+        push = measure_round_trip(lambda: copy(probe), trips)
+        pull = measure_round_trip(lambda: copy(probe), trips)
+        latency = 0.0
+        if latency_trips:
+            one = bytearray(1)
+            latency = measure_round_trip(lambda: copy(one), RoundTrips(
+                repeats=latency_trips, warmup=0, min_repeats=latency_trips,
+                budget_s=0.0)).minimum
+        return push, pull, latency
+
+    def _serve_link(self, rank: int, probe: bytearray) -> None:
+        """The root's side of `rank`'s round trips, each as the rank's request says: a pull
+        of one byte or of the probe, and whether another exchange follows."""
+        one, request = bytearray(1), bytearray([_MORE])
         self.comm.send(None, dest=rank, tag=_LINK_GO)
-        exchanges = 0
-        while more[0]:
-            self.comm.Recv(payload, source=rank, tag=_LINK_PUSH)
+        while request[0] & _MORE:
+            self.comm.Recv(probe, source=rank, tag=_LINK_PUSH)
             self.comm.Send(one, dest=rank, tag=_LINK_ACK)
-            self.comm.Recv(more, source=rank, tag=_LINK_REQ)
-            warm = exchanges < trips.warmup
-            self.comm.Send(one if warm else payload, dest=rank, tag=_LINK_PULL)
-            exchanges += 1
+            self.comm.Recv(request, source=rank, tag=_LINK_REQ)
+            self.comm.Send(probe if request[0] & _PROBE else one, dest=rank, tag=_LINK_PULL)
 
-    def _time_link(self, payload: bytearray, trips: RoundTrips):
-        """A rank's push and pull times. The warm-ups carry one byte each way: they set up
-        the connection, and a slow link's full payload would take seconds more; the request
-        for each pull tells the root whether another push follows."""
-        one, more = bytearray(1), bytearray(1)
+    def _time_link(self, probe: bytearray, trips: RoundTrips, latency_trips: int):
+        """A rank's push and pull times, and its push and pull latency (0 when not timed).
+
+        The warm-ups carry one byte each way: they set up the connection, and a slow link's
+        probe would take a second more. The next `latency_trips` carry one byte as well and
+        are timed as the latency; the rest carry the probe. The request before each pull
+        tells the root what the pull carries and whether another exchange follows."""
+        one, request = bytearray(1), bytearray(1)
         self._poll_recv(self.root, _LINK_GO)
-        push_t, pull_t = StepTimer(), StepTimer()
+        push_t, pull_t, push_l, pull_l = StepTimer(), StepTimer(), [], []
         start, exchanges = time.perf_counter(), 0
         while True:
-            warm = exchanges < trips.warmup
+            small = exchanges < trips.warmup + latency_trips
+            timed_as = (None if exchanges < trips.warmup else
+                        (push_l, pull_l) if small else (push_t.samples, pull_t.samples))
             t0 = time.perf_counter()
-            self.comm.Send(one if warm else payload, dest=self.root, tag=_LINK_PUSH)
+            self.comm.Send(one if small else probe, dest=self.root, tag=_LINK_PUSH)
             self.comm.Recv(one, source=self.root, tag=_LINK_ACK)
             t1 = time.perf_counter()
             exchanges += 1
-            more[0] = not trips.enough(exchanges, t1 - start)
-            self.comm.Send(more, dest=self.root, tag=_LINK_REQ)
-            self.comm.Recv(payload, source=self.root, tag=_LINK_PULL)
-            if not warm:
-                push_t.add(t1 - t0)
-                pull_t.add(time.perf_counter() - t1)
-            if not more[0]:
-                return push_t.summary(min_warmup=0), pull_t.summary(min_warmup=0)
+            more = small or not trips.enough(exchanges - latency_trips, t1 - start)
+            request[0] = (_MORE if more else 0) | (0 if small else _PROBE)
+            self.comm.Send(request, dest=self.root, tag=_LINK_REQ)
+            self.comm.Recv(probe, source=self.root, tag=_LINK_PULL)
+            if timed_as is not None:
+                timed_as[0].append(t1 - t0)
+                timed_as[1].append(time.perf_counter() - t1)
+            if not more:
+                latency = (min(push_l, default=0.0), min(pull_l, default=0.0))
+                return (push_t.summary(min_warmup=0), pull_t.summary(min_warmup=0)) + latency
 
     # ------------------------------------------------------------------ plans
     def gather_profiles(self, profile: RankProfile, epoch: int = 0) -> list[RankProfile] | None:

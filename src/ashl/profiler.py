@@ -2,8 +2,9 @@
 
 Profiling steps are the run's real training steps: the engine wraps the steps it takes
 anyway in a StepTimer, so profiling costs no lost training (the authors ran it at
-learning rate 0). Push and pull are timed as round trips carrying the real payload on
-one clock; no two machines' clocks are ever compared.
+learning rate 0). Push and pull are timed as round trips carrying the real payload (or a
+probe of it, extrapolated: RoundTrips) on one clock; no two machines' clocks are ever
+compared.
 
 Summary rule (works with 5 samples or 5,000):
   1. warm-up: drop the first max(min_warmup, floor(warmup_fraction * n)) samples, but
@@ -46,12 +47,21 @@ class TimingSummary:
     def to_dict(self) -> dict:
         return self.__dict__.copy()
 
-    def scaled(self, factor: float) -> "TimingSummary":
-        """Every time multiplied by `factor` (a probe's times, as the full payload's)."""
-        if not (math.isfinite(factor) and factor > 0):
-            raise ValueError(f"scale factor must be a finite number > 0, got {factor!r}")
-        return dataclasses.replace(self, mean=self.mean * factor, median=self.median * factor,
-                                   minimum=self.minimum * factor, maximum=self.maximum * factor)
+    def extrapolated(self, latency_s: float, scale: float) -> "TimingSummary":
+        """A probe's times as a payload's `scale` times its size: the latency as it is, the
+        rest (the transfer) scaled, latency + (t - latency) x scale; a time under the
+        latency stays as it is."""
+        if not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"scale must be a finite number > 0, got {scale!r}")
+        if not (math.isfinite(latency_s) and latency_s >= 0):
+            raise ValueError(f"latency must be a finite number >= 0, got {latency_s!r}")
+
+        def payload_s(t: float) -> float:
+            fixed = min(latency_s, t)
+            return fixed + (t - fixed) * scale
+
+        return dataclasses.replace(self, mean=payload_s(self.mean), median=payload_s(self.median),
+                                   minimum=payload_s(self.minimum), maximum=payload_s(self.maximum))
 
 
 def summarize(samples: Iterable[float], *, warmup_fraction: float = DEFAULT_WARMUP_FRACTION,
@@ -120,20 +130,21 @@ class RoundTrips:
     second (a 4 MB model through 56 Mbit/s): with a fixed 12 per rank, a 4-rank job on
     shaped links made its first plan after 30 s instead of 10 s.
 
-    A timed message carries at most `probe_bytes` (`probe_size`); a larger payload's time is
-    the probe's scaled by payload / probe. Every rank's turn costs about the same then,
-    whatever the model's size (a 100 MB model takes 0.8 s each way at 1 Gbit/s). Scaling the
-    whole time over-estimates by the link's latency times (payload / probe - 1):
-    milliseconds, which the commits' own times then correct (drift)."""
+    A timed message carries at most `probe_bytes` (`probe_size`), so every rank's turn costs
+    about the same whatever the model's size (a 100 MB model takes 0.8 s each way at
+    1 Gbit/s). A larger payload's time is extrapolated from the probe's: the link's latency,
+    the least of `latency_repeats` one-byte round trips timed after the warm-ups, plus the
+    probe's transfer scaled by payload / probe (`TimingSummary.extrapolated`)."""
 
     repeats: int = 10
     warmup: int = 1
     min_repeats: int = 2
     budget_s: float = 1.0
     probe_bytes: int = 1 << 20
+    latency_repeats: int = 3
 
     def __post_init__(self) -> None:
-        for name in ("repeats", "warmup", "min_repeats", "probe_bytes"):
+        for name in ("repeats", "warmup", "min_repeats", "probe_bytes", "latency_repeats"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"round trips: {name} must be an integer >= 0, got {value!r}")
@@ -150,8 +161,14 @@ class RoundTrips:
         """Bytes a timed message carries for a `payload_bytes` payload (at least one)."""
         return max(1, min(int(payload_bytes), self.probe_bytes))
 
+    def latency_trips(self, payload_bytes: int) -> int:
+        """One-byte round trips timed as the latency: only a payload larger than the probe
+        needs it."""
+        return self.latency_repeats if self.probe_size(payload_bytes) < payload_bytes else 0
+
     def enough(self, exchanges: int, elapsed_s: float) -> bool:
-        """Stop after `exchanges` exchanges (warm-ups included) that took `elapsed_s`?"""
+        """Stop after `exchanges` exchanges (warm-ups included, latency trips not) that took
+        `elapsed_s`?"""
         timed = exchanges - self.warmup
         return timed >= self.repeats or (timed >= self.min_repeats and elapsed_s >= self.budget_s)
 

@@ -87,7 +87,7 @@ def main(argv=None):
         with slowdown:
             work()
 
-    # ---- profiling: real (emulated) steps and a real payload round trip
+    # ---- profiling: real (emulated) steps and a round trip for the real payload
     timer = StepTimer()
     for _ in range(args.profile_steps):
         timer.time(step)

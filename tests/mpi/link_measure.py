@@ -1,7 +1,8 @@
 """MPICoordinator.measure_link under mpirun: each rank times as many round trips as its
 RoundTrips allow (a spent budget, or the most), the root serves each rank until told that
-one was the last, root and ranks agree on the probe's size (a message larger than the
-receive would be an MPI error), and the collectives after it still line up."""
+one was the last, the root follows what each rank's requests say a pull carries (a
+message larger than the receive would be an MPI error), and the collectives after it still
+line up."""
 import json
 
 from ashl.coordinator import MPICoordinator

@@ -210,11 +210,15 @@ def test_a_late_epoch_report_never_moves_a_rank_back():
     assert c._epochs[0] == 5 and c._epoch_lead == 2
 
 
-def test_a_link_larger_than_the_probe_is_timed_as_the_probe_and_scaled(monkeypatch):
-    """Over three in-process ranks each message of the measurement carries at most the
-    probe, and each rank's times come back as the payload's: a send here lasts at least
-    1 us a byte, so a 1,000-byte probe takes 1 ms and the 64 KiB payload's time 65 ms."""
-    import time as _time
+def test_a_link_larger_than_the_probe_is_timed_as_the_probe_and_extrapolated(monkeypatch):
+    """Three in-process ranks on a virtual clock: every message arrives 20 ms plus 1 us a
+    byte after it is sent. Only the probe and one-byte messages travel, and each rank's
+    push and pull come back as the payload's own would take (its latency counted once, not
+    scaled with the transfer)."""
+    import threading
+    import time as real_time
+    import types
+    from collections import defaultdict, deque
 
     from fake_world import FakeComm, FakeWorld
 
@@ -222,17 +226,27 @@ def test_a_link_larger_than_the_probe_is_timed_as_the_probe_and_scaled(monkeypat
     from ashl.coordinator import MPICoordinator
     from ashl.profiler import RoundTrips
 
-    sizes, real_send = [], FakeComm.Send
+    latency_s, byte_s = 0.020, 1e-6
+    clock, arrivals, sizes = threading.local(), defaultdict(deque), []
+    now = lambda: getattr(clock, "t", 0.0)      # noqa: E731 (each rank's thread its own)
+    real_send, real_recv = FakeComm.Send, FakeComm.Recv
 
     def send(self, buf, dest, tag=0):
         n = memoryview(buf).nbytes
         if tag in (coordinator._LINK_PUSH, coordinator._LINK_PULL):
             sizes.append(n)
-        _time.sleep(n * 1e-6)
+        arrivals[(id(self.group), self.rank, dest, tag)].append(now() + latency_s + n * byte_s)
         real_send(self, buf, dest, tag)
 
+    def recv(self, buf, source, tag=0):
+        real_recv(self, buf, source, tag)
+        clock.t = max(now(), arrivals[(id(self.group), source, self.rank, tag)].popleft())
+
     monkeypatch.setattr(FakeComm, "Send", send)
-    payload, trips = 1 << 16, RoundTrips(repeats=3, warmup=1, budget_s=0.0, probe_bytes=1000)
+    monkeypatch.setattr(FakeComm, "Recv", recv)
+    monkeypatch.setattr(coordinator, "time", types.SimpleNamespace(
+        perf_counter=now, sleep=real_time.sleep, monotonic=real_time.monotonic))
+    payload, trips = 1 << 14, RoundTrips(repeats=3, warmup=1, budget_s=0.0, probe_bytes=1024)
 
     def run(comm, hvd):
         mc = MPICoordinator(comm)
@@ -240,7 +254,10 @@ def test_a_link_larger_than_the_probe_is_timed_as_the_probe_and_scaled(monkeypat
         mc.close()
         return push, pull
 
-    for push, pull in FakeWorld(3).run(run):
+    _, *ranks = FakeWorld(3).run(run)
+    for push, pull in ranks:
         assert push.count == pull.count == 2
-        assert push.minimum >= payload * 1e-6 and pull.minimum >= payload * 1e-6
-    assert max(sizes) == 1000 and sizes.count(1000) >= 2 * 2 * 3
+        # a push: the payload there, one byte back; a pull: one byte there, the payload back
+        for t in (push.mean, push.minimum, pull.mean, pull.maximum):
+            assert t == pytest.approx(2 * latency_s + (payload + 1) * byte_s, rel=1e-3)
+    assert set(sizes) == {1, 1024}

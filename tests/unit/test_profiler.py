@@ -121,7 +121,8 @@ def now_after(exchanges, step_s):
                                  dict(warmup=-1), dict(budget_s=-1.0), dict(repeats=2.5),
                                  dict(budget_s="1"), dict(budget_s=True),
                                  dict(budget_s=float("nan")), dict(probe_bytes=0),
-                                 dict(probe_bytes=1.5), dict(probe_bytes=True)])
+                                 dict(probe_bytes=1.5), dict(probe_bytes=True),
+                                 dict(latency_repeats=-1), dict(latency_repeats=0.5)])
 def test_round_trips_refuse_a_count_or_budget_that_cannot_be(bad):
     with pytest.raises(ValueError, match="round trips"):
         RoundTrips(**bad)
@@ -133,15 +134,23 @@ def test_a_probe_is_the_payload_up_to_the_cap_and_never_empty(payload, probe):
     assert size == max(1, min(payload, probe))
 
 
-def test_a_scaled_summary_scales_every_time_and_keeps_the_counts():
+def test_an_extrapolated_summary_scales_what_is_over_the_latency_and_keeps_the_counts():
     s = summarize([0.3, 0.1, 0.2, 0.4], min_warmup=0)
-    x = s.scaled(4.0)
+    x = s.extrapolated(0.05, 4.0)
     assert (x.count, x.warmup, x.trimmed, x.used) == (s.count, s.warmup, s.trimmed, s.used)
     assert (x.mean, x.median, x.minimum, x.maximum) == pytest.approx(
-        (4 * s.mean, 4 * s.median, 4 * s.minimum, 4 * s.maximum))
-    for bad in (0.0, -1.0, float("inf"), float("nan")):
-        with pytest.raises(ValueError, match="scale factor"):
-            s.scaled(bad)
+        [0.05 + 4 * (t - 0.05) for t in (s.mean, s.median, s.minimum, s.maximum)])
+    assert s.extrapolated(0.0, 1.0) == s
+    assert s.extrapolated(0.15, 4.0).minimum == pytest.approx(0.1)   # under the latency: as is
+    for latency, scale in ((0.0, 0.0), (0.0, -1.0), (0.0, float("inf")), (0.0, float("nan")),
+                           (-0.1, 2.0), (float("nan"), 2.0)):
+        with pytest.raises(ValueError, match="scale|latency"):
+            s.extrapolated(latency, scale)
+
+
+def test_only_a_payload_larger_than_the_probe_times_its_latency():
+    trips = RoundTrips(probe_bytes=1000, latency_repeats=3)
+    assert [trips.latency_trips(n) for n in (1, 999, 1000, 1001)] == [0, 0, 0, 3]
 
 
 def test_round_trips_are_given_as_round_trips():

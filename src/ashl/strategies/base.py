@@ -744,8 +744,9 @@ class Strategy:
         return cleared
 
     def measured_profile(self, mc, payload_bytes: int, compress: Sequence[float] = ()):
-        """This rank's profile (collective): its timed steps, its link measured with a real
-        message of `payload_bytes` plus any emulated link delay, and `compress` (timed
+        """This rank's profile (collective): its timed steps, its link measured for a real
+        message of `payload_bytes` (a probe of it over 1 MiB, extrapolated) plus any emulated
+        link delay, and `compress` (timed
         compressions, the first a warm-up) when it has any."""
         push, pull = mc.measure_link(payload_bytes)
         emulated = self.hetero.link_delay(payload_bytes)
