@@ -31,7 +31,7 @@ from typing import Any, Callable, Sequence
 
 from .planner import (Plan, PlannerConfig, RankProfile, embed_plan, make_plan, pull_seconds,
                       push_seconds)
-from .profiler import RoundTrips, StepTimer, measure_round_trip
+from .profiler import RoundTrips, measure_round_trip, summarize
 from .stages import Stage, StageConfig, StageMachine
 
 __all__ = ["CommitReport", "Directive", "DriftConfig", "CoordinatorEvent", "Coordinator",
@@ -450,10 +450,11 @@ class MPICoordinator:
         """Round-trip push and pull of a `payload_bytes` message to the root (collective).
 
         Returns (push, pull) TimingSummary. Ranks are served one at a time so they do
-        not compete, each for as many round trips as its `trips` allow; the root follows
-        each rank's requests and must only hold the largest probe. A payload larger than the
-        probe is timed as the probe and extrapolated (RoundTrips). The root measures a
-        message to itself (its server is a thread there).
+        not compete, each for as many round trips as its `trips` allow (the root follows
+        each rank's requests). Every rank passes the same `payload_bytes` and probe size:
+        the root answers a probe pull with its own probe. A payload larger than the probe is
+        timed as the probe and extrapolated (RoundTrips). The root measures a message to
+        itself (its server is a thread there).
         """
         trips = trips or RoundTrips()
         size = max(1, int(payload_bytes))
@@ -506,31 +507,39 @@ class MPICoordinator:
 
         The warm-ups carry one byte each way: they set up the connection, and a slow link's
         probe would take a second more. The next `latency_trips` carry one byte as well and
-        are timed as the latency; the rest carry the probe. The request before each pull
-        tells the root what the pull carries and whether another exchange follows."""
-        one, request = bytearray(1), bytearray(1)
+        are timed as the latency; the rest carry the probe, until `trips` has enough."""
+        one = bytearray(1)
         self._poll_recv(self.root, _LINK_GO)
-        push_t, pull_t, push_l, pull_l = StepTimer(), StepTimer(), [], []
-        start, exchanges = time.perf_counter(), 0
+        start = time.perf_counter()
+        for _ in range(trips.warmup):
+            self._push(one)
+            self._pull(one, _MORE)
+        latency = [(self._push(one), self._pull(one, _MORE)) for _ in range(latency_trips)]
+        pushes, pulls = [], []
         while True:
-            small = exchanges < trips.warmup + latency_trips
-            timed_as = (None if exchanges < trips.warmup else
-                        (push_l, pull_l) if small else (push_t.samples, pull_t.samples))
-            t0 = time.perf_counter()
-            self.comm.Send(one if small else probe, dest=self.root, tag=_LINK_PUSH)
-            self.comm.Recv(one, source=self.root, tag=_LINK_ACK)
-            t1 = time.perf_counter()
-            exchanges += 1
-            more = small or not trips.enough(exchanges - latency_trips, t1 - start)
-            request[0] = (_MORE if more else 0) | (0 if small else _PROBE)
-            self.comm.Send(request, dest=self.root, tag=_LINK_REQ)
-            self.comm.Recv(probe, source=self.root, tag=_LINK_PULL)
-            if timed_as is not None:
-                timed_as[0].append(t1 - t0)
-                timed_as[1].append(time.perf_counter() - t1)
+            pushes.append(self._push(probe))
+            more = not trips.enough(trips.warmup + len(pushes), time.perf_counter() - start)
+            pulls.append(self._pull(probe, _PROBE | (_MORE if more else 0)))
             if not more:
-                latency = (min(push_l, default=0.0), min(pull_l, default=0.0))
-                return (push_t.summary(min_warmup=0), pull_t.summary(min_warmup=0)) + latency
+                break
+        return (summarize(pushes, min_warmup=0), summarize(pulls, min_warmup=0),
+                min((push for push, _ in latency), default=0.0),
+                min((pull for _, pull in latency), default=0.0))
+
+    def _push(self, message: bytearray) -> float:
+        """Send `message` to the root and wait for its one-byte acknowledgement: seconds."""
+        t0 = time.perf_counter()
+        self.comm.Send(message, dest=self.root, tag=_LINK_PUSH)
+        self.comm.Recv(bytearray(1), source=self.root, tag=_LINK_ACK)
+        return time.perf_counter() - t0
+
+    def _pull(self, into: bytearray, request: int) -> float:
+        """Send the root a one-byte `request` (what the pull carries, whether another
+        exchange follows) and receive its answer `into`: seconds."""
+        t0 = time.perf_counter()
+        self.comm.Send(bytearray([request]), dest=self.root, tag=_LINK_REQ)
+        self.comm.Recv(into, source=self.root, tag=_LINK_PULL)
+        return time.perf_counter() - t0
 
     # ------------------------------------------------------------------ plans
     def gather_profiles(self, profile: RankProfile, epoch: int = 0) -> list[RankProfile] | None:

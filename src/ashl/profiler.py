@@ -134,7 +134,8 @@ class RoundTrips:
     about the same whatever the model's size (a 100 MB model takes 0.8 s each way at
     1 Gbit/s). A larger payload's time is extrapolated from the probe's: the link's latency,
     the least of `latency_repeats` one-byte round trips timed after the warm-ups, plus the
-    probe's transfer scaled by payload / probe (`TimingSummary.extrapolated`)."""
+    probe's transfer scaled by payload / probe (`TimingSummary.extrapolated`). With
+    `latency_repeats=0` the latency is taken as 0 and the probe's whole time is scaled."""
 
     repeats: int = 10
     warmup: int = 1

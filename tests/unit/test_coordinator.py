@@ -246,6 +246,8 @@ def test_a_link_larger_than_the_probe_is_timed_as_the_probe_and_extrapolated(mon
     monkeypatch.setattr(FakeComm, "Recv", recv)
     monkeypatch.setattr(coordinator, "time", types.SimpleNamespace(
         perf_counter=now, sleep=real_time.sleep, monotonic=real_time.monotonic))
+    # warmup=1: a rank's clock starts at 0 (the go-ahead is not timed), and its first,
+    # untimed, exchange absorbs the time the root spent serving the ranks before it
     payload, trips = 1 << 14, RoundTrips(repeats=3, warmup=1, budget_s=0.0, probe_bytes=1024)
 
     def run(comm, hvd):
