@@ -746,8 +746,7 @@ class Strategy:
     def measured_profile(self, mc, payload_bytes: int, compress: Sequence[float] = ()):
         """This rank's profile (collective): its timed steps, its link measured for a real
         message of `payload_bytes` (a probe of it over 1 MiB, extrapolated) plus any emulated
-        link delay, and `compress` (timed
-        compressions, the first a warm-up) when it has any."""
+        link delay, and `compress` (timed compressions, the first a warm-up) when it has any."""
         push, pull = mc.measure_link(payload_bytes)
         emulated = self.hetero.link_delay(payload_bytes)
         self.profiler.extend("push", [push.mean + emulated])
