@@ -451,24 +451,27 @@ class MPICoordinator:
 
         Returns (push, pull) TimingSummary. Ranks are served one at a time so they do
         not compete, each for as many round trips as its `trips` allow (the root follows
-        each rank's requests). Every rank passes the same `payload_bytes` and probe size:
-        the root answers a probe pull with its own probe. A payload larger than the probe is
-        timed as the probe and extrapolated (RoundTrips). The root measures a message to
-        itself (its server is a thread there).
+        each rank's requests). A payload larger than the probe is timed as the probe and
+        extrapolated (RoundTrips). The root's probe size is the one every rank times: the
+        root sends it with its go-ahead, so ranks that pass another payload or probe size
+        still agree with it on every message's size. The root measures a message to itself
+        (its server is a thread there).
         """
         trips = trips or RoundTrips()
         size = max(1, int(payload_bytes))
-        probe = bytearray(trips.probe_size(size))
-        scale, latency_trips = size / len(probe), trips.latency_trips(size)
         if self.is_root:
-            push, pull, latency = self._time_copy(probe, trips, latency_trips)
+            probe = bytearray(trips.probe_size(size))
+            push, pull, latency = self._time_copy(probe, trips, trips.latency_trips(size))
             push_latency = pull_latency = latency
             for r in range(self.size):
                 if r != self.root:
                     self._serve_link(r, probe)
         else:
+            probe = bytearray(self._poll_recv(self.root, _LINK_GO))
+            latency_trips = trips.latency_trips(size, probe_bytes=len(probe))
             push, pull, push_latency, pull_latency = self._time_link(probe, trips, latency_trips)
         self.barrier()
+        scale = size / len(probe)
         return push.extrapolated(push_latency, scale), pull.extrapolated(pull_latency, scale)
 
     def _time_copy(self, probe: bytearray, trips: RoundTrips, latency_trips: int):
@@ -495,7 +498,7 @@ class MPICoordinator:
         """The root's side of `rank`'s round trips, each as the rank's request says: a pull
         of one byte or of the probe, and whether another exchange follows."""
         one, request = bytearray(1), bytearray([_MORE])
-        self.comm.send(None, dest=rank, tag=_LINK_GO)
+        self.comm.send(len(probe), dest=rank, tag=_LINK_GO)   # the size the rank times
         while request[0] & _MORE:
             self.comm.Recv(probe, source=rank, tag=_LINK_PUSH)
             self.comm.Send(one, dest=rank, tag=_LINK_ACK)
@@ -509,7 +512,6 @@ class MPICoordinator:
         probe would take a second more. The next `latency_trips` carry one byte as well and
         are timed as the latency; the rest carry the probe, until `trips` has enough."""
         one = bytearray(1)
-        self._poll_recv(self.root, _LINK_GO)
         start = time.perf_counter()
         for _ in range(trips.warmup):
             self._push(one)

@@ -162,10 +162,11 @@ class RoundTrips:
         """Bytes a timed message carries for a `payload_bytes` payload (at least one)."""
         return max(1, min(int(payload_bytes), self.probe_bytes))
 
-    def latency_trips(self, payload_bytes: int) -> int:
-        """One-byte round trips timed as the latency: only a payload larger than the probe
-        needs it."""
-        return self.latency_repeats if self.probe_size(payload_bytes) < payload_bytes else 0
+    def latency_trips(self, payload_bytes: int, probe_bytes: int | None = None) -> int:
+        """One-byte round trips timed as the latency: only a payload timed as a probe of
+        another size (`probe_bytes`, by default `probe_size`'s) needs it."""
+        probe = self.probe_size(payload_bytes) if probe_bytes is None else int(probe_bytes)
+        return self.latency_repeats if probe != max(1, int(payload_bytes)) else 0
 
     def enough(self, exchanges: int, elapsed_s: float) -> bool:
         """Stop after `exchanges` exchanges (warm-ups included, latency trips not) that took

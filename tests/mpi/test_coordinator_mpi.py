@@ -103,8 +103,9 @@ def test_np3_switches_on_ahl_budget_and_stops_on_time(tmp_path):
 def test_np3_link_measurement_stops_where_the_round_trips_say():
     """A spent budget: every rank (the root's copy too) times the least, 2; a budget that
     is never spent: the most, 6. The root follows each rank's count, so nothing hangs, also
-    with a payload larger than the probe (its latency trips first)."""
+    with a payload larger than the probe (its latency trips first), and with ranks that ask
+    for other probe sizes than the root's."""
     proc = _util.mpirun(3, Path(__file__).with_name("link_measure.py"), timeout=60)
     lines = [json.loads(line[len("COUNTS "):]) for line in proc.stdout.splitlines()
              if line.startswith("COUNTS ")]
-    assert lines == [[[[2, 2], [6, 6], [2, 2]]] * 3], proc.stdout[-2000:]
+    assert lines == [[[[2, 2], [6, 6], [2, 2], [2, 2]]] * 3], proc.stdout[-2000:]

@@ -210,11 +210,13 @@ def test_a_late_epoch_report_never_moves_a_rank_back():
     assert c._epochs[0] == 5 and c._epoch_lead == 2
 
 
-def test_a_link_larger_than_the_probe_is_timed_as_the_probe_and_extrapolated(monkeypatch):
+@pytest.mark.parametrize("probes", [(1024, 1024, 1024), (1024, 512, 4096)])
+def test_a_link_larger_than_the_probe_is_timed_as_the_probe_and_extrapolated(monkeypatch, probes):
     """Three in-process ranks on a virtual clock: every message arrives 20 ms plus 1 us a
-    byte after it is sent. Only the probe and one-byte messages travel, and each rank's
-    push and pull come back as the payload's own would take (its latency counted once, not
-    scaled with the transfer)."""
+    byte after it is sent. Only the root's probe and one-byte messages travel, also when
+    the other ranks ask for other probe sizes, and each rank's push and pull come back as
+    the payload's own would take (its latency counted once, not scaled with the transfer)."""
+    import dataclasses
     import threading
     import time as real_time
     import types
@@ -252,7 +254,8 @@ def test_a_link_larger_than_the_probe_is_timed_as_the_probe_and_extrapolated(mon
 
     def run(comm, hvd):
         mc = MPICoordinator(comm)
-        push, pull = mc.measure_link(payload, trips)
+        mine = dataclasses.replace(trips, probe_bytes=probes[comm.Get_rank()])
+        push, pull = mc.measure_link(payload, mine)
         mc.close()
         return push, pull
 

@@ -150,7 +150,14 @@ def test_an_extrapolated_summary_scales_what_is_over_the_latency_and_keeps_the_c
 
 def test_only_a_payload_larger_than_the_probe_times_its_latency():
     trips = RoundTrips(probe_bytes=1000, latency_repeats=3)
-    assert [trips.latency_trips(n) for n in (1, 999, 1000, 1001)] == [0, 0, 0, 3]
+    assert [trips.latency_trips(n) for n in (0, 1, 999, 1000, 1001)] == [0, 0, 0, 0, 3]
+
+
+def test_a_payload_timed_as_another_ranks_probe_times_its_latency():
+    """A rank times the root's probe size; a payload that differs from it, larger or
+    smaller, is extrapolated, so its latency is timed."""
+    trips = RoundTrips(probe_bytes=1000, latency_repeats=3)
+    assert [trips.latency_trips(n, probe_bytes=500) for n in (400, 500, 600)] == [3, 0, 3]
 
 
 def test_round_trips_are_given_as_round_trips():
