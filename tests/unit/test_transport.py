@@ -775,3 +775,53 @@ def test_a_closed_mpi_end_keeps_the_copy_of_a_reply_not_yet_read(self_end):
         assert float(reply.dense().min()) == 3.0
     finally:
         transport._UNREAD.pop()
+
+
+# --- MPIRankEnd in-process ------------------------------------------------------------------
+
+def rank_end(comm, numel, server_error=lambda: None):
+    return transport.MPIRankEnd(comm, 0, numel, server_error=server_error)
+
+
+def commit_header(numel):
+    return header(Kind.DENSE_DELTA, 0, DType.FLOAT32, numel)
+
+
+@pytest.mark.timeout(30)
+def test_an_mpi_commit_and_its_reply_travel_between_the_ends(self_end):
+    end, numel, comm = self_end
+    rank = rank_end(comm, numel)
+    delta = torch.arange(numel, dtype=torch.float32)
+    sent = {}
+    sender = threading.Thread(target=lambda: sent.update(ok=rank.send(commit_header(numel), delta)))
+    sender.start()                    # a rendezvous send: it waits for the server's receive
+    message = None
+    while message is None:
+        message = end.poll(0.1)
+    sender.join(10)
+    assert sent == {"ok": True} and torch.equal(message.dense(), delta)
+    end.send(0, header(Kind.REPLY, 0, DType.FLOAT32, numel), delta + 1)
+    reply = rank.recv(MessageBuffer(4 * numel))
+    assert torch.equal(reply.dense(), delta + 1)
+    end.drain()
+
+
+@pytest.mark.timeout(30)
+def test_an_mpi_commit_cancelled_before_it_leaves_is_not_sent(self_end):
+    _, numel, comm = self_end
+    cancelled = threading.Event()
+    cancelled.set()
+    assert rank_end(comm, numel).send(commit_header(numel), torch.zeros(numel),
+                                      cancelled=cancelled) is False
+    assert not comm.Iprobe(source=0, tag=protocol.TAG_TO_SERVER)
+
+
+@pytest.mark.timeout(30)
+def test_an_mpi_commit_to_a_dead_server_thread_raises_server_lost(self_end):
+    """The server rank's own commit goes to itself: once its server thread has died, the
+    commit ends with ServerLost instead of a send that no one will ever receive."""
+    _, numel, comm = self_end
+    rank = rank_end(comm, numel, server_error=lambda: RuntimeError("merge failed"))
+    with pytest.raises(ServerLost, match="parameter server failed"):
+        rank.send(commit_header(numel), torch.full((numel,), 5.0))
+    assert not comm.Iprobe(source=0, tag=protocol.TAG_TO_SERVER)
