@@ -135,7 +135,10 @@ class RoundTrips:
     1 Gbit/s). A larger payload's time is extrapolated from the probe's: the link's latency,
     the least of `latency_repeats` one-byte round trips timed after the warm-ups, plus the
     probe's transfer scaled by payload / probe (`TimingSummary.extrapolated`). With
-    `latency_repeats=0` the latency is taken as 0 and the probe's whole time is scaled."""
+    `latency_repeats=0` the latency is taken as 0 and the probe's whole time is scaled.
+    Over MPI the root's probe size is the one every rank times (`measure_link`), so a rank's
+    own `probe_bytes` counts only on the root, and a payload smaller than the root's probe
+    is extrapolated (down) as well."""
 
     repeats: int = 10
     warmup: int = 1

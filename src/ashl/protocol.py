@@ -37,7 +37,7 @@ import json
 import math
 import struct
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -464,27 +464,46 @@ def _body(header: Header, payload) -> Optional[np.ndarray]:
     return body
 
 
-def send(comm, dest: int, header: Header, payload=None, tag: int = TAG_TO_SERVER) -> None:
-    """Send header + payload as one message, without copying the payload.
+def send(comm, dest: int, header: Header, payload=None, tag: int = TAG_TO_SERVER, *,
+         wait: Optional[Callable[[Any], bool]] = None) -> bool:
+    """Send header + payload as one message, without copying the payload; True once sent.
 
     `payload`: a contiguous CPU tensor / numpy array whose bytes are the payload (for a
     sparse delta: int32 indices immediately followed by the values, e.g. a
     compression.Payload's `buffer`). Its byte size must match the header.
+
+    `wait`: the message goes with MPI_Isend and `wait(request)` says whether it completed.
+    A send it gives up on (False, or an error it raises) is left pending, and its buffers
+    are kept for the process's lifetime, since MPI may yet read them.
     """
     MPI = _mpi()
     head = np.frombuffer(encode(header), dtype=np.uint8)
     body = _body(header, payload)
+    datatype = None
     if body is None:
-        comm.Send([head, MPI.BYTE], dest, tag)
-        return
-    # One message from two buffers: a struct datatype over absolute addresses.
-    dt = MPI.Datatype.Create_struct([HEADER_SIZE, body.size],
-                                    [MPI.Get_address(head), MPI.Get_address(body)],
-                                    [MPI.BYTE, MPI.BYTE]).Commit()
+        message = [head, MPI.BYTE]
+    else:   # one message from two buffers: a struct datatype over absolute addresses
+        datatype = MPI.Datatype.Create_struct(
+            [HEADER_SIZE, body.size], [MPI.Get_address(head), MPI.Get_address(body)],
+            [MPI.BYTE, MPI.BYTE]).Commit()
+        message = [MPI.BOTTOM, 1, datatype]
     try:
-        comm.Send([MPI.BOTTOM, 1, dt], dest, tag)
+        if wait is None:
+            comm.Send(message, dest, tag)
+            return True
+        request, done = comm.Isend(message, dest, tag), False
+        try:
+            done = bool(wait(request))
+        finally:
+            if not done:
+                _ABANDONED.append((request, head, body))
+        return done
     finally:
-        dt.Free()
+        if datatype is not None:
+            datatype.Free()   # MPI frees it once a pending send is done with it
+
+
+_ABANDONED: list = []   # (request, header, payload) of sends given up: MPI may still read them
 
 
 def packed(header: Header, payload=None, out: Optional[np.ndarray] = None) -> np.ndarray:

@@ -148,6 +148,13 @@ class RankEnd:
     def close(self) -> None:
         pass
 
+    def _check_server(self) -> None:
+        """ServerLost once `server_error()` (the server thread of this rank, if it is the
+        server rank) says it has died."""
+        error = self.server_error()
+        if error is not None:
+            raise ServerLost("the parameter server failed") from error
+
 
 # --------------------------------------------------------------------------- MPI
 
@@ -233,19 +240,34 @@ class MPIRankEnd(RankEnd):
                  server_error: Callable[[], Optional[BaseException]] = lambda: None):
         self.comm, self.server_rank, self.model_numel = comm, server_rank, model_numel
         self.poll_s, self.server_error = poll_s, server_error
+        self.to_itself = comm.Get_rank() == server_rank
 
     def send(self, header: Header, payload=None,
              cancelled: Optional[threading.Event] = None) -> bool:
-        """A blocking MPI_Send, unless `cancelled` is set (False) or this rank's server
-        thread has died (ServerLost: the server rank's own commits go to itself, and a send
-        no one will receive would wait for ever). Once started it ends when the server rank
-        receives it: a sleep-polled MPI_Isend made a 4 MiB round trip 4x slower (Open MPI
-        moves a large message on only while the process calls MPI), and testing it without
-        a pause would take the GIL from the rank's steps for as long as the transfer lasts."""
+        """The commit, unless `cancelled` is set (False) or this rank's server thread has
+        died (ServerLost).
+
+        To another rank, a blocking MPI_Send: a sleep-polled MPI_Isend made a 4 MiB round
+        trip 4x slower (Open MPI moves a large message on only while the process calls MPI),
+        and testing it without a pause would take the GIL from the rank's steps. To itself
+        (the server rank's own commits), MPI_Isend polled: its receiver is this process's
+        server thread, which may die before it receives, and a cancel while it waits gives
+        it up (False)."""
         if cancelled is not None and cancelled.is_set():
             return False
         self._check_server()
-        protocol.send(self.comm, self.server_rank, header, payload, tag=protocol.TAG_TO_SERVER)
+        wait = (lambda request: self._wait(request, cancelled)) if self.to_itself else None
+        return protocol.send(self.comm, self.server_rank, header, payload,
+                             tag=protocol.TAG_TO_SERVER, wait=wait)
+
+    def _wait(self, request, cancelled: Optional[threading.Event]) -> bool:
+        """Test `request` every `poll_s` until it completes (True) or `cancelled` is set
+        (False); ServerLost if this rank's server thread dies meanwhile."""
+        while not request.Test():
+            self._check_server()
+            if cancelled is not None and cancelled.is_set():
+                return False
+            time.sleep(self.poll_s)
         return True
 
     def recv(self, buffer: MessageBuffer) -> Message:
@@ -261,11 +283,6 @@ class MPIRankEnd(RankEnd):
                 return False
             time.sleep(self.poll_s)
         return True
-
-    def _check_server(self) -> None:
-        error = self.server_error()
-        if error is not None:
-            raise ServerLost("the parameter server failed") from error
 
 
 # ------------------------------------------------------------------------ ZeroMQ
@@ -570,11 +587,6 @@ class ZmqRankEnd(RankEnd):
                     raise ServerLost(f"could not send to the parameter server "
                                      f"({self._where()}) for {self.timeout_s:g} s: it is "
                                      "not connected") from None
-
-    def _check_server(self) -> None:
-        error = self.server_error()
-        if error is not None:
-            raise ServerLost("the parameter server failed") from error
 
     def recv(self, buffer: MessageBuffer) -> Message:
         started = time.monotonic()

@@ -793,7 +793,8 @@ def test_an_mpi_commit_and_its_reply_travel_between_the_ends(self_end):
     rank = rank_end(comm, numel)
     delta = torch.arange(numel, dtype=torch.float32)
     sent = {}
-    sender = threading.Thread(target=lambda: sent.update(ok=rank.send(commit_header(numel), delta)))
+    sender = threading.Thread(target=lambda: sent.update(ok=rank.send(commit_header(numel), delta)),
+                              daemon=True)
     sender.start()                    # a rendezvous send: it waits for the server's receive
     message = None
     while message is None:
@@ -825,3 +826,44 @@ def test_an_mpi_commit_to_a_dead_server_thread_raises_server_lost(self_end):
     with pytest.raises(ServerLost, match="parameter server failed"):
         rank.send(commit_header(numel), torch.full((numel,), 5.0))
     assert not comm.Iprobe(source=0, tag=protocol.TAG_TO_SERVER)
+
+
+def take_abandoned_commit(comm, numel):
+    """The commit a given-up send left pending, received (MPI may still deliver it), and
+    its kept buffers released."""
+    request = protocol._ABANDONED[-1][0]
+    try:
+        message = protocol.recv(comm, MessageBuffer(4 * numel), source=0,
+                                tag=protocol.TAG_TO_SERVER, model_numel=numel)
+        request.Wait()
+        return message
+    finally:
+        protocol._ABANDONED.pop()
+
+
+@pytest.mark.timeout(30)
+def test_the_server_ranks_commit_to_itself_ends_when_its_server_thread_dies_meanwhile(self_end):
+    """Its server thread dies while the commit waits for its receive: ServerLost, not a
+    send that waits for ever (the training thread would join its uploader for ever)."""
+    _, numel, comm = self_end
+    died = []
+    rank = rank_end(comm, numel, server_error=lambda: died[0] if died else None)
+    timer = threading.Timer(0.2, lambda: died.append(RuntimeError("merge failed")))
+    timer.start()
+    with pytest.raises(ServerLost, match="parameter server failed"):
+        rank.send(commit_header(numel), torch.full((numel,), 5.0))
+    timer.join()
+    assert float(take_abandoned_commit(comm, numel).dense().max()) == 5.0
+
+
+@pytest.mark.timeout(30)
+def test_the_server_ranks_commit_to_itself_is_given_up_when_cancelled_meanwhile(self_end):
+    """A closing client cancels the commit while it waits for a receive that will not come."""
+    _, numel, comm = self_end
+    cancelled = threading.Event()
+    timer = threading.Timer(0.2, cancelled.set)
+    timer.start()
+    assert rank_end(comm, numel).send(commit_header(numel), torch.full((numel,), 2.0),
+                                      cancelled=cancelled) is False
+    timer.join()
+    assert float(take_abandoned_commit(comm, numel).dense().min()) == 2.0
