@@ -40,9 +40,12 @@ def assert_ratios(local_steps, factors, tol=0.15):
 @pytest.mark.mpi
 @pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
 def test_np3_same_plan_ratios_and_replan_on_slowdown_change(tmp_path):
-    # rank 2 turns from 4x slow to full speed after its 3rd commit
+    # rank 2 turns from 4x slow to full speed after its 3rd commit. On a loaded machine the
+    # commit round trips can first re-plan for a link drift; 90 commits leave room for the
+    # compute re-plan after that one's cooldown (with 45 it failed 6 runs of 6 under two busy
+    # loops, and passed 4 of 4 with 90)
     results = _util.run_driver(3, tmp_path, "--factors", "1,2,4", "--change", "2:1:3",
-                               "--max-commits", 45, timeout=60)
+                               "--max-commits", 90, timeout=60)
     assert same_plans(results)
     first = Plan.from_json(results[0]["first_plan"])
     assert first.version == 1 and first.ahl.bottleneck == 2
