@@ -496,14 +496,20 @@ def send(comm, dest: int, header: Header, payload=None, tag: int = TAG_TO_SERVER
             done = bool(wait(request))
         finally:
             if not done:
-                _ABANDONED.append((request, head, body))
+                keep_pending(request, head, body)
         return done
     finally:
         if datatype is not None:
             datatype.Free()   # MPI frees it once a pending send is done with it
 
 
-_ABANDONED: list = []   # (request, header, payload) of sends given up: MPI may still read them
+_PENDING: list = []   # (request, buffers...) that MPI may still use: see keep_pending
+
+
+def keep_pending(request, *buffers) -> None:
+    """Keep `buffers` for the process's lifetime: `request` (a send given up, a reply not yet
+    read when its end closed) has not completed, and MPI may yet use them."""
+    _PENDING.append((request, *buffers))
 
 
 def packed(header: Header, payload=None, out: Optional[np.ndarray] = None) -> np.ndarray:

@@ -222,11 +222,11 @@ class MPIServerEnd(ServerEnd):
         """A copy whose send has not completed (the server thread failed before its rank
         read it) is kept for the process's lifetime, since MPI may yet read it."""
         self._drop_sent()
-        _UNREAD.extend(self.outstanding)
+        for request, message in self.outstanding:
+            protocol.keep_pending(request, message)
         self.outstanding, self.spare = [], []
 
 
-_UNREAD: list = []   # (request, message) of the closed MPIServerEnds: see close()
 _SPARE_MIN_BYTES = 1 << 16   # smaller copies (a plan, a stop) cost nothing to allocate
 
 
@@ -249,7 +249,8 @@ class MPIRankEnd(RankEnd):
 
         To another rank, a blocking MPI_Send: a sleep-polled MPI_Isend made a 4 MiB round
         trip 4x slower (Open MPI moves a large message on only while the process calls MPI),
-        and testing it without a pause would take the GIL from the rank's steps. To itself
+        and a Python thread testing it without a pause would compete with the rank's steps
+        for the GIL as long as the transfer lasts (not measured). To itself
         (the server rank's own commits), MPI_Isend polled: its receiver is this process's
         server thread, which may die before it receives, and a cancel while it waits gives
         it up (False)."""

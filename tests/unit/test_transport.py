@@ -768,13 +768,13 @@ def test_a_closed_mpi_end_keeps_the_copy_of_a_reply_not_yet_read(self_end):
     end.send(0, header(Kind.REPLY, 0, DType.FLOAT32, numel), model)
     request, copy = end.outstanding[0]
     end.close()
-    assert end.outstanding == [] and transport._UNREAD[-1][1] is copy
+    assert end.outstanding == [] and protocol._PENDING[-1][1] is copy
     try:
         reply = received_reply(comm, numel)      # MPI reads the kept copy
         request.Wait()
         assert float(reply.dense().min()) == 3.0
     finally:
-        transport._UNREAD.pop()
+        protocol._PENDING.pop()
 
 
 # --- MPIRankEnd in-process ------------------------------------------------------------------
@@ -831,14 +831,14 @@ def test_an_mpi_commit_to_a_dead_server_thread_raises_server_lost(self_end):
 def take_abandoned_commit(comm, numel):
     """The commit a given-up send left pending, received (MPI may still deliver it), and
     its kept buffers released."""
-    request = protocol._ABANDONED[-1][0]
+    request = protocol._PENDING[-1][0]
     try:
         message = protocol.recv(comm, MessageBuffer(4 * numel), source=0,
                                 tag=protocol.TAG_TO_SERVER, model_numel=numel)
         request.Wait()
         return message
     finally:
-        protocol._ABANDONED.pop()
+        protocol._PENDING.pop()
 
 
 @pytest.mark.timeout(30)
