@@ -99,6 +99,10 @@ class HorovodKeywords:
                              "every rank of the job (the global process set) only")
 
 
+    def on_every_rank(self) -> bool:
+        """Does the optimizer run on every rank of the job (the global process set)?"""
+        return self.process_set is None or _is_global(self.process_set, _horovod())
+
     def check_for_staged_gradients(self) -> None:
         """Strategy "bsp" averaging the gradients through host memory: op Average and the
         global process set."""

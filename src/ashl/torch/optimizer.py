@@ -17,6 +17,8 @@ import torch
 from ..strategies import FAULT_TOLERANT, OVERLAPPING, PARAMETER_SERVER, make_strategy
 from ..strategies.join import wrap_scripts_join
 from ..strategies.model_state import store_flat
+from ..strategies.runtime import world_comm
+from .agreement import agree, run_options
 from .exit import end_failed_start, leave_at_exit
 from .horovod_keywords import HorovodKeywords
 
@@ -227,15 +229,17 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     _check_optimizer(optimizer)
     horovod = HorovodKeywords(backward_passes_per_step, op, gradient_predivide_factor,
                               num_groups, groups, sparse_as_dense, process_set)
-    if strategy != "bsp":
-        horovod.check_for_deltas(strategy)
-    if named_parameters is not None:
-        named_parameters = _checked_named_parameters(optimizer, named_parameters)
-    if model is not None:
-        _check_model_holds(optimizer, model)
-    params = _params(optimizer, model, named_parameters)
-    engine = _build_strategy(strategy, model, params, sampler=sampler, compression=compression,
-                             staleness=staleness, flat_storage=flat_storage, config=config)
+    with _agreed(strategy, staleness, compression, config, horovod):
+        if strategy != "bsp":
+            horovod.check_for_deltas(strategy)
+        if named_parameters is not None:
+            named_parameters = _checked_named_parameters(optimizer, named_parameters)
+        if model is not None:
+            _check_model_holds(optimizer, model)
+        params = _params(optimizer, model, named_parameters)
+        options = _strategy_options(strategy, staleness, config)
+    engine = _build_strategy(strategy, model, params, options, sampler=sampler,
+                             compression=compression, flat_storage=flat_storage)
     if strategy == "bsp" and not engine.staged_gradients:
         wrapped = _wrap_horovod(optimizer, model, named_parameters,
                                 dict(horovod.for_horovod(), compression=engine.horovod_compression))
@@ -262,22 +266,50 @@ def _check_optimizer(optimizer) -> None:
                          "ashl's replaces Horovod's, it does not wrap it")
 
 
-def _build_strategy(strategy: str, model, params, *, sampler, compression, staleness,
-                    flat_storage, config: dict):
-    """The strategy engine; a fault-tolerant run's start that fails ends its job, not hangs."""
+@contextlib.contextmanager
+def _agreed(strategy: str, staleness, compression, config: dict, horovod: HorovodKeywords):
+    """Around the checks of the options: every rank raises if one refused its own or if the
+    ranks' run-wide options differ (agreement.py), so that none goes on into a start-up
+    collective the others never reach. A fault-tolerant run's refusal is left for
+    ``python -m ashl.run``."""
+    comm = _agreement_comm(config, horovod)
+    options = run_options(strategy, staleness, compression, config)
     try:
-        kwargs = _strategy_options(strategy, staleness, config)
-    except ValueError as exc:   # refused alike on every rank: no collective is left waiting
+        yield
+    except ValueError as exc:
         if config.get("fault_tolerant"):
             end_failed_start(exc, config.get("comm"), abort=False)
+        if comm is not None:
+            agree(comm, f"{type(exc).__name__}: {exc}", options)
         raise
+    if comm is not None:
+        agree(comm, None, options)
+
+
+def _agreement_comm(config: dict, horovod: HorovodKeywords):
+    """Where the ranks agree on their options: the run's MPI world of two ranks or more.
+    None for a test's in-process world, a Horovod process set of only some ranks (only they
+    build the optimizer), and a fault-tolerant run (a rank lost before its start would leave
+    the others waiting in the agreement; its start-up's watchdog ends such a job)."""
+    if config.get("fault_tolerant") or not horovod.on_every_rank():
+        return None
+    comm = config.get("comm")
+    if comm is not None and not type(comm).__module__.startswith("mpi4py"):
+        return None
+    comm = world_comm(comm)
+    return comm if comm.Get_size() > 1 else None
+
+
+def _build_strategy(strategy: str, model, params, options: dict, *, sampler, compression,
+                    flat_storage):
+    """The strategy engine; a fault-tolerant run's start that fails ends its job, not hangs."""
     _store_flat(model, params, strategy, flat_storage)
     try:
         return make_strategy(strategy, model, params, sampler=sampler,
-                             compression=compression, **kwargs)
+                             compression=compression, **options)
     except Exception as exc:
-        if kwargs.get("fault_tolerant"):
-            end_failed_start(exc, kwargs.get("comm"))
+        if options.get("fault_tolerant"):
+            end_failed_start(exc, options.get("comm"))
         raise
 
 

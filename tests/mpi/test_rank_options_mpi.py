@@ -1,0 +1,43 @@
+"""Ranks that pass DistributedOptimizer different run-wide options, or one rank whose options
+are refused, end the job at its start with an error on every rank that names the ranks and
+the options; before, the others waited for ever in the start-up's collectives (an options
+difference that left no collective waiting trained on, each rank with its own bound)."""
+from pathlib import Path
+
+import pytest
+
+from _util import mpirun, skip_reason  # noqa: E402
+
+pytestmark = [pytest.mark.mpi, pytest.mark.skipif(skip_reason() is not None,
+                                                  reason=str(skip_reason()))]
+SCRIPT = Path(__file__).with_name("rank_options.py")
+
+
+@pytest.mark.parametrize("args, every_rank_says", [
+    (["--rank1-strategy", "localsgd"], "strategy is 'ashl' on rank 0, 'localsgd' on rank 1"),
+    (["--rank1-staleness", "5"], "staleness is 3 on rank 0, 5 on rank 1"),
+    (["--rank1-overlap", "off"], "overlap is True on rank 0, False on rank 1"),
+])
+def test_options_that_differ_between_ranks_are_refused_on_every_rank(args, every_rank_says):
+    proc = mpirun(2, SCRIPT, *args, timeout=90, check=False)
+    assert proc.returncode != 0, proc.stdout
+    # every rank raises it; the first to end the job may cut the other's line short
+    assert every_rank_says in proc.stderr, proc.stderr[-4000:]
+    assert "epoch 0" not in proc.stdout
+
+
+def test_a_refusal_on_one_rank_reaches_the_other():
+    """localsgd has no commit in flight to overlap: rank 1 refuses overlap=True with its own
+    error, and rank 0, which would have gone on into localsgd's start, raises it too."""
+    proc = mpirun(2, SCRIPT, "--strategy", "localsgd", "--rank1-overlap", "on", timeout=90,
+                  check=False)
+    assert proc.returncode != 0, proc.stdout
+    assert "options were refused on rank 1: ValueError: overlap=True: strategy 'localsgd'" \
+        in proc.stderr, proc.stderr[-4000:]
+    assert "ValueError: overlap=True: strategy 'localsgd' exchanges in collectives" \
+        in proc.stderr
+
+
+def test_the_same_options_on_every_rank_train():
+    proc = mpirun(2, SCRIPT, "--rank1-staleness", "3", "--rank1-overlap", "on", timeout=120)
+    assert "epoch 1: loss" in proc.stdout, proc.stdout
