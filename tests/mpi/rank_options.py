@@ -18,6 +18,8 @@ parser.add_argument("--staleness", type=int, default=3)
 parser.add_argument("--rank1-strategy", default=None)
 parser.add_argument("--rank1-staleness", type=int, default=None)
 parser.add_argument("--rank1-overlap", choices=["on", "off"], default=None)
+parser.add_argument("--rank0-fault-tolerant", action="store_true")
+parser.add_argument("--rank1-global-model-on", default=None)
 args = parser.parse_args()
 
 hvd.init()
@@ -31,6 +33,8 @@ optimizer = torch.optim.SGD(model.parameters(), lr=0.05 * hvd.size())
 hvd.broadcast_parameters(model.state_dict(), root_rank=0)
 
 options = {"strategy": args.strategy, "staleness": args.staleness}
+if hvd.rank() == 0 and args.rank0_fault_tolerant:
+    options["fault_tolerant"] = True
 if hvd.rank() == 1:
     if args.rank1_strategy is not None:
         options["strategy"] = args.rank1_strategy
@@ -38,6 +42,8 @@ if hvd.rank() == 1:
         options["staleness"] = args.rank1_staleness
     if args.rank1_overlap is not None:
         options["overlap"] = args.rank1_overlap == "on"
+    if args.rank1_global_model_on is not None:
+        options["global_model_on"] = args.rank1_global_model_on
 optimizer = ashl.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                       stage_config=StageConfig(max_commits=8), **options)
 

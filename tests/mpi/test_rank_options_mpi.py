@@ -1,7 +1,8 @@
 """Ranks that pass DistributedOptimizer different run-wide options, or one rank whose options
 are refused, end the job at its start with an error on every rank that names the ranks and
 the options; before, the others waited for ever in the start-up's collectives (an options
-difference that left no collective waiting trained on, each rank with its own bound)."""
+difference that left no collective waiting trained on, each rank with its own bound). A
+rank whose start fails after the agreement ends the job."""
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ SCRIPT = Path(__file__).with_name("rank_options.py")
     (["--rank1-strategy", "localsgd"], "strategy is 'ashl' on rank 0, 'localsgd' on rank 1"),
     (["--rank1-staleness", "5"], "staleness is 3 on rank 0, 5 on rank 1"),
     (["--rank1-overlap", "off"], "overlap is True on rank 0, False on rank 1"),
+    (["--rank0-fault-tolerant"], "fault_tolerant is True on rank 0, False on rank 1"),
 ])
 def test_options_that_differ_between_ranks_are_refused_on_every_rank(args, every_rank_says):
     proc = mpirun(2, SCRIPT, *args, timeout=90, check=False)
@@ -36,6 +38,15 @@ def test_a_refusal_on_one_rank_reaches_the_other():
         in proc.stderr, proc.stderr[-4000:]
     assert "ValueError: overlap=True: strategy 'localsgd' exchanges in collectives" \
         in proc.stderr
+
+
+def test_a_ranks_own_option_refused_after_the_agreement_ends_the_job():
+    """global_model_on= is each rank's own (not compared); refused on rank 1 alone, in the
+    strategy's start, it ends the job where rank 0 waited for rank 1 in a collective."""
+    proc = mpirun(2, SCRIPT, "--rank1-global-model-on", "gpu", timeout=90, check=False)
+    assert proc.returncode != 0, proc.stdout
+    assert "ashl: rank 1: the run could not start (ValueError: global_model_on must be" \
+        in proc.stderr, proc.stderr[-4000:]
 
 
 def test_the_same_options_on_every_rank_train():

@@ -13,6 +13,36 @@ def test_an_option_left_out_equals_the_strategys_default():
     assert run_options("ashl", 3, None, {}) != run_options("ashl", 3, None, {"overlap": False})
 
 
+def test_options_compare_as_the_strategy_reads_them():
+    """Horovod's compressors as ashl's, specs parsed, an option the strategy does not take
+    (dropped or refused on its own rank) and one it does not read left out."""
+    import horovod.torch as hvd
+    from ashl.compression import Compression
+    assert run_options("ashl", 3, hvd.Compression.none, {"outer_optimizer": "none"}) \
+        == run_options("ashl", 3, None, {})
+    assert run_options("ashl", 3, hvd.Compression.fp16, {}) \
+        == run_options("ashl", 3, Compression.fp16, {})
+    assert run_options("diloco", 3, None, {"outer_optimizer": "nesterov(0.7,  0.9)"}) \
+        == run_options("diloco", 3, None, {})
+    assert run_options("ashl", 3, None, {"staleness_fn": "polynomial(0.5)",
+                                         "planner_config": PlannerConfig()}) \
+        == run_options("ashl", 3, None, {})
+    assert run_options("localsgd", 3, None, {"overlap": False, "fault_tolerant": False}) \
+        == run_options("localsgd", 7, None, {})          # (no bound, no overlap, no faults)
+    assert run_options("ashl", 3, None, {"fault_timeout_s": 9.0}) \
+        == run_options("ashl", 3, None, {})              # read only by a fault-tolerant run
+    assert run_options("ashl", 3, Compression.topk(0.1), {}) \
+        != run_options("ashl", 3, Compression.topk(0.1, dense_when_cheaper=False), {})
+    assert run_options("ashl", 3, Compression.topk(0.1), {}) \
+        != run_options("ashl", 3, Compression.topk(0.1000001), {})
+
+
+def test_a_spec_one_rank_cannot_parse_is_compared_as_written():
+    """(that rank refuses it itself; its text must not fail here first)"""
+    assert "bogus" in run_options("ashl", 3, None, {"outer_optimizer": "bogus(1)"})[
+        "outer_optimizer"]
+
+
 def test_configs_compare_by_value_and_the_ranks_own_options_are_not_compared():
     a = run_options("ashl", 3, None, {"planner_config": PlannerConfig(k_ahl=4),
                                       "evaluate": lambda: 0.5, "heterogeneity": object()})

@@ -44,7 +44,7 @@ from . import DEFAULT_TRANSPORT, transport_problem
 from .base import Strategy
 from .model_state import verify_same_model
 from .join import join_the_scripts_horovod
-from .runtime import world_comm
+from .runtime import is_mpi, world_comm
 
 log = logging.getLogger("ashl")
 
@@ -178,7 +178,7 @@ class ServerStrategy(Strategy):
         self._watchdog = (start_watchdog(world.Get_rank(), world.Get_size(),
                                          self.startup_timeout_s)
                           if self.fault_tolerant and self.join is None
-                          and type(world).__module__.startswith("mpi4py") else None)
+                          and is_mpi(world) else None)
 
     def _checked_compression(self, compression) -> Optional[Compressor]:
         compressor = check_compression(compression, self.name, self.accepts_compression)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 
-__all__ = ["mpi_world", "world_comm", "horovod", "horovod_gpu_operations", "horovod_reduces_on",
+__all__ = ["mpi_world", "is_mpi", "world_comm", "horovod", "horovod_gpu_operations", "horovod_reduces_on",
            "horovod_staging"]
 
 log = logging.getLogger("ashl")
@@ -24,13 +24,18 @@ def mpi_world():
     return MPI
 
 
+def is_mpi(comm) -> bool:
+    """Is `comm` an mpi4py communicator (not a test's in-process fake)?"""
+    return type(comm).__module__.startswith("mpi4py")
+
+
 def world_comm(comm=None, alone: bool = False):
     """The communicator a strategy runs on: COMM_WORLD (COMM_SELF when `alone`: a replacement
     joins a run it was not launched with), or the one given, of a checked MPI launch (a test's
     in-process fake is taken as it is)."""
     if comm is None:
         return mpi_world().COMM_SELF if alone else mpi_world().COMM_WORLD
-    if type(comm).__module__.startswith("mpi4py"):
+    if is_mpi(comm):
         mpi_world()
     return comm
 

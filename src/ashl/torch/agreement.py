@@ -3,17 +3,25 @@
 A script is the same on every rank, but an option computed from the rank is not: a rank
 that asks for another strategy, or whose options are refused while the others go on into
 the start-up's collectives, would leave them waiting for ever. One allgather before the
-strategy's first collective makes every rank raise the same error instead, naming the
-ranks and the options.
+strategy's first collective makes every rank raise instead, naming the ranks and the options.
 
-Options that are each rank's own (``evaluate``, ``eval_every_s``, ``heterogeneity``,
-``server_threads``, ``global_model_on``, the sampler) are not compared.
+Options are compared as the strategy reads them: one left out equals its default passed,
+specs equal their parsed form, Horovod's compressors equal ashl's, and an option the
+strategy does not take (refused or dropped on each rank by itself) is not compared. Options
+that are each rank's own (``evaluate``, ``eval_every_s``, ``heterogeneity``,
+``server_threads``, ``global_model_on``, the sampler) are not compared either.
 """
 from __future__ import annotations
 
 import inspect
 from typing import Optional, Sequence
 
+from ..compression import check_compression
+from ..coordinator import DriftConfig
+from ..planner import PlannerConfig
+from ..stages import StageConfig
+from ..outer_spec import parse_outer
+from ..staleness import parse_staleness
 from ..strategies import strategy_class
 
 __all__ = ["RUN_WIDE", "run_options", "disagreement", "agree"]
@@ -23,76 +31,106 @@ __all__ = ["RUN_WIDE", "run_options", "disagreement", "agree"]
 RUN_WIDE = ("overlap", "fault_tolerant", "fault_timeout_s", "transport", "server_rank",
             "outer_optimizer", "local_steps", "profile_steps", "profile_within_epoch",
             "staleness_fn", "planner_config", "stage_config", "drift_config")
+# each option as the strategy reads it, so that two spellings of one value agree
+_PARSED = {"outer_optimizer": parse_outer, "staleness_fn": parse_staleness,
+           "compression": lambda c: check_compression(c, "", ("none", "fp16", "topk")),
+           "planner_config": lambda c: PlannerConfig() if c is None else c,
+           "stage_config": lambda c: StageConfig() if c is None else c,
+           "drift_config": lambda c: DriftConfig() if c is None else c}
 
 
-def _canonical(value) -> str:
-    """A value's repr, or its type's name where the repr holds an address (an object)."""
-    text = repr(value)
-    if " at 0x" in text:
-        return f"{type(value).__module__}.{type(value).__qualname__}"
-    return text
-
-
-def _defaults(strategy: str) -> dict:
-    """The strategy's own defaults, so that an option left out equals it passed as default."""
+def _taken(strategy: str) -> Optional[dict]:
+    """The options the strategy takes, with its defaults (None for an unknown name: the
+    ranks agree on the name first, then make_strategy names it)."""
     try:
         cls = strategy_class(strategy)
     except ValueError:
-        return {}       # an unknown name: make_strategy names it (the ranks agree on it first)
-    defaults: dict = {}
+        return None
+    taken: dict = {}
     for klass in cls.__mro__:       # a subclass may pass **kwargs on to its base's
         for key, p in inspect.signature(klass.__init__).parameters.items():
             if p.default is not inspect.Parameter.empty:
-                defaults.setdefault(key, p.default)
-    if defaults.get("overlap") is None:
-        defaults["overlap"] = bool(getattr(cls, "overlaps_by_default", False))
-    return defaults
+                taken.setdefault(key, p.default)
+    if "overlap" in taken:
+        taken["overlap"] = bool(getattr(cls, "overlaps_by_default", False))
+    if "outer_optimizer" in taken:
+        taken["outer_optimizer"] = getattr(cls, "default_outer", None)
+    if strategy == "ashl":          # staleness_fn= is its damping, passed on as staleness=
+        taken["staleness_fn"] = taken["staleness"]
+    return taken
+
+
+def _text(key: str, value) -> str:
+    """A value as comparable text: its parsed form where it has one; a repr that holds an
+    address (an object) as its type's name and attributes."""
+    try:
+        value = _PARSED[key](value) if key in _PARSED else value
+    except ValueError:
+        pass                        # refused on its rank: the refusal is what travels
+    text = repr(value)
+    if " at 0x" in text or type(value).__repr__ is object.__repr__:
+        text = f"{type(value).__qualname__}({getattr(value, '__dict__', {})!r})"
+    elif hasattr(value, "dense_when_cheaper"):     # (top-k's repr rounds its ratio)
+        text += f" (ratio {value.ratio!r}, dense_when_cheaper={value.dense_when_cheaper})"
+    return text
 
 
 def run_options(strategy: str, staleness, compression, config: dict) -> dict:
     """This rank's run-wide options, as comparable text."""
-    defaults = _defaults(strategy)
-    options = {"strategy": strategy, "staleness": staleness, "compression": compression}
+    taken = _taken(strategy)
+    options = {"strategy": strategy, "compression": compression}
+    if strategy in ("ashl", "ssp"):
+        options["staleness"] = staleness        # the bound; the others have none
     for key in RUN_WIDE:
+        if taken is not None and key not in taken:
+            continue
         value = config.get(key)
-        options[key] = defaults.get(key) if value is None else value
-    return {k: _canonical(v) for k, v in options.items()}
+        options[key] = (taken or {}).get(key) if value is None else value
+    if not options.get("fault_tolerant"):
+        options.pop("fault_timeout_s", None)   # read only by a fault-tolerant run
+    return {k: _text(k, v) for k, v in options.items()}
 
 
 def _ranks(ranks: Sequence[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
+def _differences(views: Sequence[dict]) -> list[str]:
+    """Each option whose text differs between ranks, with the ranks of each value; another
+    strategy alone (the other options' defaults differ with it)."""
+    keys = list(dict.fromkeys(k for options in views for k in options))
+    if len({options.get("strategy") for options in views}) > 1:
+        keys = ["strategy"]
+    differing = []
+    for key in keys:
+        by_value: dict[str, list[int]] = {}
+        for r, options in enumerate(views):
+            by_value.setdefault(options.get(key, "(not taken)"), []).append(r)
+        if len(by_value) > 1:
+            differing.append(f"{key} is " + ", ".join(f"{v} on {_ranks(rs)}"
+                                                     for v, rs in by_value.items()))
+    return differing
+
+
 def disagreement(views: Sequence[tuple[Optional[str], dict]]) -> Optional[str]:
     """What every rank must be told, given each rank's (refusal or None, run_options), in
     rank order; None if the ranks agree and none refused."""
     refusals = [f"{_ranks([r])}: {error}" for r, (error, _) in enumerate(views) if error]
-    differing = []
-    for key in views[0][1] if views else ():
-        by_value: dict[str, list[int]] = {}
-        for r, (_, options) in enumerate(views):
-            by_value.setdefault(options.get(key, "(missing)"), []).append(r)
-        if len(by_value) > 1:
-            differing.append(f"{key} is " + ", ".join(f"{v} on {_ranks(rs)}"
-                                                     for v, rs in by_value.items()))
-    if differing and differing[0].startswith("strategy "):
-        differing = differing[:1]   # the other options' defaults differ with it
-    if not refusals and not differing:
-        return None
+    differing = _differences([options for _, options in views]) if views else []
     parts = []
     if refusals:
-        parts.append("DistributedOptimizer's options were refused on "
-                     + "; ".join(refusals))
+        parts.append("DistributedOptimizer's options were refused on " + "; ".join(refusals))
     if differing:
         parts.append("DistributedOptimizer's options differ between the ranks: "
                      + "; ".join(differing)
                      + " (every rank must pass the same: they start one run together)")
-    return ". ".join(parts)
+    return ". ".join(parts) or None
 
 
 def agree(comm, refusal: Optional[str], options: dict) -> None:
-    """Collective: every rank raises the same ValueError if any rank refused its options or
-    they differ; a rank that refused its own raises its own error (the caller's)."""
+    """Collective: every rank learns whether any rank refused its options or they differ;
+    the others raise a ValueError saying so, and a rank that refused its own raises its own
+    error (the caller's)."""
     verdict = disagreement(comm.allgather((refusal, options)))
     if verdict is not None and refusal is None:
         raise ValueError(verdict)

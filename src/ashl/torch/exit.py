@@ -33,6 +33,7 @@ import threading
 import traceback
 
 from ..run import LOST_RANKS_STATUS, write_status
+from ..strategies.runtime import is_mpi
 
 __all__ = ["leave_at_exit", "LOST_RANKS_STATUS", "exit_without_finalize", "end_failed_start",
            "start_watchdog"]
@@ -77,7 +78,7 @@ def _recording_exit(exit_):
 
 def _at_exit() -> None:
     # Only runs on a real MPI world are left here (a test's in-process fake world is not).
-    real = [o for o in _optimizers if type(o._ashl.comm).__module__.startswith("mpi4py")]
+    real = [o for o in _optimizers if is_mpi(o._ashl.comm)]
     _optimizers.clear()
     live = [o for o in real if not getattr(o, "_ashl_closed", False)]
     if live:
@@ -160,21 +161,26 @@ def _abort(optimizer, why: str, code: int = 1) -> None:
     MPI.COMM_WORLD.Abort(code)
 
 
-def end_failed_start(exc: BaseException, comm=None, abort: bool = True) -> None:
-    """A fault-tolerant optimizer failed to start on this rank: its failure is left for
-    ``python -m ashl.run`` (mpirun --enable-recovery reports 0), and, unless the failure
-    is one every rank meets alike (`abort` False: the error is raised on each), the job
-    ends (MPI_Abort) after the error is printed, as the others would wait in the start-up
+def end_failed_start(exc: BaseException, comm=None, abort: bool = True,
+                     fault_tolerant: bool = True) -> None:
+    """An optimizer failed to start on this rank. A fault-tolerant run's failure is left for
+    ``python -m ashl.run`` (mpirun --enable-recovery reports 0). Unless the failure is one
+    every rank meets alike (`abort` False: the error is raised on each), the job ends
+    (MPI_Abort) after the error is printed, as the others would wait in the start-up
     collectives for ever. A test's in-process world is left as it is (the error is raised)."""
-    if comm is not None and not type(comm).__module__.startswith("mpi4py"):
+    if comm is not None and not is_mpi(comm):
         return
     from mpi4py import MPI
-    write_status(MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size(), 1, [])
+    rank = MPI.COMM_WORLD.Get_rank()
+    if fault_tolerant:
+        write_status(rank, MPI.COMM_WORLD.Get_size(), 1, [])
     if not abort:
         return
     traceback.print_exception(exc)
-    print(f"ashl: rank {MPI.COMM_WORLD.Get_rank()}: the fault-tolerant run could not start "
-          f"({type(exc).__name__}: {exc}); ending the job", file=sys.stderr, flush=True)
+    run = "the fault-tolerant run" if fault_tolerant else "the run"
+    print(f"ashl: rank {rank}: {run} could not start ({type(exc).__name__}: {exc}); ending "
+          "the job (the other ranks would wait for it in the start-up)", file=sys.stderr,
+          flush=True)
     MPI.COMM_WORLD.Abort(1)
 
 

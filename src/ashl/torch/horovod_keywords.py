@@ -94,10 +94,9 @@ class HorovodKeywords:
             raise ValueError(f"num_groups={self.num_groups!r}, groups={self.groups!r}: strategy "
                              f"{strategy!r} always sends the whole model in one fused buffer; "
                              "leave them at 0 and None")
-        if self.process_set is not None and not _is_global(self.process_set, hvd):
+        if not self.on_every_rank():
             raise ValueError(f"process_set={self.process_set!r}: strategy {strategy!r} runs on "
                              "every rank of the job (the global process set) only")
-
 
     def on_every_rank(self) -> bool:
         """Does the optimizer run on every rank of the job (the global process set)?"""
@@ -112,7 +111,7 @@ class HorovodKeywords:
         if self.op is not None and (hvd is None or self.op != hvd.Average):
             raise ValueError(f"op={_op_name(self.op)}: {why}, with op=hvd.Average only; build "
                              "Horovod with HOROVOD_GPU_OPERATIONS=NCCL for its other reductions")
-        if self.process_set is not None and not _is_global(self.process_set, hvd):
+        if not self.on_every_rank():
             raise ValueError(f"process_set={self.process_set!r}: {why}, over every rank of the "
                              "job (the global process set) only")
 
