@@ -1,5 +1,6 @@
 """A Horovod-style script whose options depend on the rank, as a script may by mistake
-(`staleness=3 if hvd.rank() == 0 else 5`): `--rank1-*` gives rank 1 its own value."""
+(`strategy="ashl" if hvd.rank() == 0 else "localsgd"`): `--rank1-*` gives rank 1 its own
+value, `--rank0-*` rank 0."""
 import argparse
 
 import horovod.torch as hvd
@@ -16,7 +17,6 @@ parser.add_argument("--epochs", type=int, default=2)
 parser.add_argument("--strategy", default="ashl")
 parser.add_argument("--staleness", type=int, default=3)
 parser.add_argument("--rank1-strategy", default=None)
-parser.add_argument("--rank1-staleness", type=int, default=None)
 parser.add_argument("--rank1-overlap", choices=["on", "off"], default=None)
 parser.add_argument("--rank0-fault-tolerant", action="store_true")
 parser.add_argument("--rank1-global-model-on", default=None)
@@ -38,8 +38,6 @@ if hvd.rank() == 0 and args.rank0_fault_tolerant:
 if hvd.rank() == 1:
     if args.rank1_strategy is not None:
         options["strategy"] = args.rank1_strategy
-    if args.rank1_staleness is not None:
-        options["staleness"] = args.rank1_staleness
     if args.rank1_overlap is not None:
         options["overlap"] = args.rank1_overlap == "on"
     if args.rank1_global_model_on is not None:
