@@ -296,6 +296,11 @@ class TopKCompressor(Compressor):
         self.dense_when_cheaper = bool(dense_when_cheaper)
         self.name = f"topk({self.ratio:g})"
 
+    def __repr__(self) -> str:
+        """Exact (equal reprs, equal compressors): the name rounds the ratio."""
+        dense = "" if self.dense_when_cheaper else ", dense_when_cheaper=False"
+        return f"Compression.topk({self.ratio!r}{dense})"
+
     def k(self, numel: int) -> int:
         """Entries sent for a delta of `numel` elements (at least 1 when numel > 0)."""
         return min(numel, max(1 if numel else 0, math.ceil(self.ratio * numel)))

@@ -276,3 +276,10 @@ def test_check_compression_maps_horovod_and_refuses_what_a_strategy_cannot_send(
         check_compression(Compression.fp16, "localsgd", ("none",))
     with pytest.raises(ValueError, match="compression='gzip': not a compressor ashl knows"):
         check_compression("gzip", "ashl", ("none",))
+
+
+def test_a_top_k_repr_is_exact():
+    """(its name rounds the ratio; the ranks' agreement on options compares reprs)"""
+    assert repr(Compression.topk(0.1)) == "Compression.topk(0.1)"
+    assert repr(Compression.topk(0.1000001, dense_when_cheaper=False)) \
+        == "Compression.topk(0.1000001, dense_when_cheaper=False)"

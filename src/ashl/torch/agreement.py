@@ -3,7 +3,8 @@
 A script is the same on every rank, but an option computed from the rank is not: a rank
 that asks for another strategy, or whose options are refused while the others go on into
 the start-up's collectives, would leave them waiting for ever. One allgather before the
-strategy's first collective makes every rank raise instead, naming the ranks and the options.
+strategy's first collective makes every rank raise instead, naming the ranks and the options
+(`agreed`, around DistributedOptimizer's checks; `agreement_comm` says where, if anywhere).
 
 Options are compared as the strategy reads them: one left out equals its default passed,
 specs equal their parsed form, Horovod's compressors equal ashl's, and an option the
@@ -13,7 +14,10 @@ that are each rank's own (``evaluate``, ``eval_every_s``, ``heterogeneity``,
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
+import os
+import sys
 from typing import Optional, Sequence
 
 from ..compression import check_compression
@@ -23,8 +27,10 @@ from ..stages import StageConfig
 from ..outer_spec import parse_outer
 from ..staleness import parse_staleness
 from ..strategies import strategy_class
+from ..strategies.runtime import is_mpi, world_comm
+from .exit import end_failed_start, start_watchdog
 
-__all__ = ["RUN_WIDE", "run_options", "disagreement", "agree"]
+__all__ = ["RUN_WIDE", "run_options", "disagreement", "agree", "agreed", "agreement_comm"]
 
 # the options of DistributedOptimizer (beyond strategy, staleness and compression) that
 # every rank must share: each changes what the ranks exchange or when
@@ -68,10 +74,8 @@ def _text(key: str, value) -> str:
     except ValueError:
         pass                        # refused on its rank: the refusal is what travels
     text = repr(value)
-    if " at 0x" in text or type(value).__repr__ is object.__repr__:
+    if " at 0x" in text:
         text = f"{type(value).__qualname__}({getattr(value, '__dict__', {})!r})"
-    elif hasattr(value, "dense_when_cheaper"):     # (top-k's repr rounds its ratio)
-        text += f" (ratio {value.ratio!r}, dense_when_cheaper={value.dense_when_cheaper})"
     return text
 
 
@@ -134,3 +138,66 @@ def agree(comm, refusal: Optional[str], options: dict) -> None:
     verdict = disagreement(comm.allgather((refusal, options)))
     if verdict is not None and refusal is None:
         raise ValueError(verdict)
+
+
+# ----------------------------------------------------------- at DistributedOptimizer's start
+@contextlib.contextmanager
+def agreed(comm, strategy: str, staleness, compression, config: dict):
+    """Around DistributedOptimizer's checks of the options: every rank raises if one refused
+    its own or if the ranks' run-wide options differ (on `comm`; None: no agreement), so
+    that none goes on into a start-up collective the others never reach. A fault-tolerant
+    run agrees under its start-up's watchdog (a rank lost before it would leave the others
+    waiting), and its failed start is left for ``python -m ashl.run``."""
+    options = run_options(strategy, staleness, compression, config)
+    failure = None
+    try:
+        yield
+    except Exception as exc:    # any error on one rank would leave the others waiting
+        failure = exc
+    if comm is not None:
+        try:
+            with _watched(config, comm):
+                agree(comm, failure and f"{type(failure).__name__}: {failure}", options)
+        except ValueError as exc:
+            failure = exc
+    if failure is not None:
+        if config.get("fault_tolerant"):
+            end_failed_start(failure, config.get("comm"), abort=False)
+        raise failure
+
+
+def agreement_comm(config: dict, on_every_rank: bool):
+    """Where the ranks agree on their options: the run's MPI world of two ranks or more.
+    None for a test's in-process world, a replacement joining a fault-tolerant run (alone in
+    its launch), and a Horovod that spans only some of the ranks (a process set, or
+    hvd.init(comm=) on a part of the world: only its ranks build the optimizer)."""
+    if not on_every_rank or config.get("fault_tolerant") and _joining():
+        return None
+    comm = config.get("comm")
+    if comm is not None and not is_mpi(comm):
+        return None
+    comm = world_comm(comm)
+    hvd = sys.modules.get("horovod.torch")
+    if hvd is not None and hvd.is_initialized() and hvd.size() != comm.Get_size():
+        return None
+    return comm if comm.Get_size() > 1 else None
+
+
+def _joining() -> bool:
+    from ..strategies.parameter_server import JOIN_ENV   # (it pulls in ZeroMQ: only here)
+    return bool(os.environ.get(JOIN_ENV))
+
+
+@contextlib.contextmanager
+def _watched(config: dict, comm):
+    """A fault-tolerant run's collective at start, under the start-up's watchdog."""
+    if not config.get("fault_tolerant"):
+        yield
+        return
+    from ..strategies.parameter_server import STARTUP_TIMEOUT_S
+    timeout_s = config.get("startup_timeout_s") or STARTUP_TIMEOUT_S
+    watchdog = start_watchdog(comm.Get_rank(), comm.Get_size(), timeout_s)
+    try:
+        yield
+    finally:
+        watchdog.cancel()

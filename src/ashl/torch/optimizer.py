@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import sys
 from collections import Counter
 from typing import Optional
@@ -18,9 +17,8 @@ import torch
 from ..strategies import FAULT_TOLERANT, OVERLAPPING, PARAMETER_SERVER, make_strategy
 from ..strategies.join import wrap_scripts_join
 from ..strategies.model_state import store_flat
-from ..strategies.runtime import is_mpi, world_comm
-from .agreement import agree, run_options
-from .exit import end_failed_start, leave_at_exit, start_watchdog
+from .agreement import agreed, agreement_comm
+from .exit import end_failed_start, leave_at_exit
 from .horovod_keywords import HorovodKeywords
 
 log = logging.getLogger("ashl")
@@ -230,8 +228,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     _check_optimizer(optimizer)
     horovod = HorovodKeywords(backward_passes_per_step, op, gradient_predivide_factor,
                               num_groups, groups, sparse_as_dense, process_set)
-    comm = _agreement_comm(config, horovod)
-    with _agreed(comm, strategy, staleness, compression, config):
+    comm = agreement_comm(config, horovod.on_every_rank())
+    with agreed(comm, strategy, staleness, compression, config):
         if strategy != "bsp":
             horovod.check_for_deltas(strategy)
         if named_parameters is not None:
@@ -266,68 +264,6 @@ def _check_optimizer(optimizer) -> None:
         raise ValueError("optimizer is a distributed optimizer already (hvd.DistributedOptimizer "
                          "or ashl.torch.DistributedOptimizer): pass the torch optimizer itself; "
                          "ashl's replaces Horovod's, it does not wrap it")
-
-
-@contextlib.contextmanager
-def _agreed(comm, strategy: str, staleness, compression, config: dict):
-    """Around the checks of the options: every rank raises if one refused its own or if the
-    ranks' run-wide options differ (agreement.py, on `comm` unless None), so that none goes
-    on into a start-up collective the others never reach. A fault-tolerant run agrees under
-    its start-up's watchdog (a rank lost before it would leave the others waiting), and its
-    failed start is left for ``python -m ashl.run``."""
-    options = run_options(strategy, staleness, compression, config)
-    failure = None
-    try:
-        yield
-    except Exception as exc:    # any error on one rank would leave the others waiting
-        failure = exc
-    if comm is not None:
-        try:
-            with _watched(config, comm):
-                agree(comm, failure and f"{type(failure).__name__}: {failure}", options)
-        except ValueError as exc:
-            failure = exc
-    if failure is not None:
-        if config.get("fault_tolerant"):
-            end_failed_start(failure, config.get("comm"), abort=False)
-        raise failure
-
-
-def _agreement_comm(config: dict, horovod: HorovodKeywords):
-    """Where the ranks agree on their options: the run's MPI world of two ranks or more.
-    None for a test's in-process world, a replacement joining a fault-tolerant run (alone in
-    its launch), and a Horovod that spans only some of the ranks (a process set, or
-    hvd.init(comm=) on a part of the world: only its ranks build the optimizer)."""
-    if not horovod.on_every_rank() or config.get("fault_tolerant") and _joining():
-        return None
-    comm = config.get("comm")
-    if comm is not None and not is_mpi(comm):
-        return None
-    comm = world_comm(comm)
-    hvd = sys.modules.get("horovod.torch")
-    if hvd is not None and hvd.is_initialized() and hvd.size() != comm.Get_size():
-        return None
-    return comm if comm.Get_size() > 1 else None
-
-
-def _joining() -> bool:
-    from ..strategies.parameter_server import JOIN_ENV   # (it pulls in ZeroMQ: only here)
-    return bool(os.environ.get(JOIN_ENV))
-
-
-@contextlib.contextmanager
-def _watched(config: dict, comm):
-    """A fault-tolerant run's collective at start, under the start-up's watchdog."""
-    if not config.get("fault_tolerant"):
-        yield
-        return
-    from ..strategies.parameter_server import STARTUP_TIMEOUT_S
-    timeout_s = config.get("startup_timeout_s") or STARTUP_TIMEOUT_S
-    watchdog = start_watchdog(comm.Get_rank(), comm.Get_size(), timeout_s)
-    try:
-        yield
-    finally:
-        watchdog.cancel()
 
 
 def _build_strategy(strategy: str, model, params, options: dict, comm, *, sampler,
