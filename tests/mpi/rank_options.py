@@ -20,6 +20,7 @@ parser.add_argument("--rank1-strategy", default=None)
 parser.add_argument("--rank1-overlap", choices=["on", "off"], default=None)
 parser.add_argument("--rank0-fault-tolerant", action="store_true")
 parser.add_argument("--rank1-global-model-on", default=None)
+parser.add_argument("--rank1-backward-passes-per-step", type=int, default=None)
 args = parser.parse_args()
 
 hvd.init()
@@ -42,6 +43,8 @@ if hvd.rank() == 1:
         options["overlap"] = args.rank1_overlap == "on"
     if args.rank1_global_model_on is not None:
         options["global_model_on"] = args.rank1_global_model_on
+    if args.rank1_backward_passes_per_step is not None:
+        options["backward_passes_per_step"] = args.rank1_backward_passes_per_step
 optimizer = ashl.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                       stage_config=StageConfig(max_commits=8), **options)
 

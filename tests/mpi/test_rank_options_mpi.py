@@ -15,10 +15,12 @@ SCRIPT = Path(__file__).with_name("rank_options.py")
 
 
 # (which options differ, and how they read, is tests/unit/test_agreement.py's; here the
-# collective, once plain and once under a fault-tolerant run's watchdog)
+# collective, plain, under a fault-tolerant run's watchdog, and before Horovod's (bsp))
 @pytest.mark.parametrize("args, every_rank_says", [
     (["--rank1-strategy", "localsgd"], "strategy is 'ashl' on rank 0, 'localsgd' on rank 1"),
     (["--rank0-fault-tolerant"], "fault_tolerant is True on rank 0, False on rank 1"),
+    (["--strategy", "bsp", "--rank1-backward-passes-per-step", "2"],
+     "backward_passes_per_step is 1 on rank 0, 2 on rank 1"),
 ])
 def test_options_that_differ_between_ranks_are_refused_on_every_rank(args, every_rank_says):
     proc = mpirun(2, SCRIPT, *args, timeout=90, check=False)

@@ -1,5 +1,6 @@
 """The ranks' agreement on DistributedOptimizer's run-wide options (ashl/torch/agreement.py),
 as pure functions; tests/mpi/test_rank_options_mpi.py runs it over mpirun."""
+import torch
 from hypothesis import given, strategies as st
 
 from ashl.planner import PlannerConfig
@@ -49,6 +50,28 @@ def test_configs_compare_by_value_and_the_ranks_own_options_are_not_compared():
     b = run_options("ashl", 3, None, {"planner_config": PlannerConfig(k_ahl=4)})
     assert a == b
     assert a != run_options("ashl", 3, None, {"planner_config": PlannerConfig(k_ahl=2)})
+
+
+def test_horovods_keywords_are_compared_under_bsp_alone():
+    """bsp hands them to Horovod (another on one rank posts other allreduces); the other
+    strategies refuse them on each rank, or honour them rank by rank."""
+    import horovod.torch as hvd
+    keywords = dict(backward_passes_per_step=1, op=None, gradient_predivide_factor=1.0,
+                    num_groups=0, groups=None, sparse_as_dense=False, process_set=None)
+    base = run_options("bsp", 3, None, {}, keywords)
+    assert base["backward_passes_per_step"] == "1" and base["op"] == "'Average'"
+    assert run_options("bsp", 3, None, {}, dict(keywords, op=hvd.Average)) == base
+    for change in ({"backward_passes_per_step": 2}, {"op": hvd.Sum}, {"sparse_as_dense": True},
+                   {"gradient_predivide_factor": 2.0}, {"num_groups": 2}):
+        assert run_options("bsp", 3, None, {}, dict(keywords, **change)) != base, change
+        assert run_options("ashl", 3, None, {}, dict(keywords, **change)) \
+            == run_options("ashl", 3, None, {}, keywords)
+    a, b, c = (torch.zeros(1) for _ in range(3))
+    assert run_options("bsp", 3, None, {}, dict(keywords, groups=[[a, b], [c]])) \
+        == run_options("bsp", 3, None, {}, dict(keywords, groups=[[b, c], [a]])) \
+        != run_options("bsp", 3, None, {}, dict(keywords, groups=[[a], [b, c]]))
+    assert run_options("bsp", 3, None, {}, dict(keywords, num_groups=2)) \
+        == run_options("bsp", 3, None, {}, dict(keywords, groups=2))
 
 
 def test_the_ranks_agree():

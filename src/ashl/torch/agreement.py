@@ -8,7 +8,10 @@ strategy's first collective makes every rank raise instead, naming the ranks and
 
 Options are compared as the strategy reads them: one left out equals its default passed,
 specs equal their parsed form, Horovod's compressors equal ashl's, and an option the
-strategy does not take (refused or dropped on each rank by itself) is not compared. Options
+strategy does not take (refused or dropped on each rank by itself) is not compared. Under
+"bsp" Horovod's keywords are compared too (they decide when each rank posts its allreduces
+and what they reduce); the other strategies refuse them on each rank or honour them rank by rank
+(backward_passes_per_step, sparse_as_dense: as an uneven data share is). Options
 that are each rank's own (``evaluate``, ``eval_every_s``, ``heterogeneity``,
 ``server_threads``, ``global_model_on``, the sampler) are not compared either.
 """
@@ -29,6 +32,7 @@ from ..staleness import parse_staleness
 from ..strategies import strategy_class
 from ..strategies.runtime import is_mpi, world_comm
 from .exit import end_failed_start, start_watchdog
+from .horovod_keywords import groups_shape, op_name
 
 __all__ = ["RUN_WIDE", "run_options", "disagreement", "agree", "agreed", "agreement_comm"]
 
@@ -37,12 +41,18 @@ __all__ = ["RUN_WIDE", "run_options", "disagreement", "agree", "agreed", "agreem
 RUN_WIDE = ("overlap", "fault_tolerant", "fault_timeout_s", "transport", "server_rank",
             "outer_optimizer", "local_steps", "profile_steps", "profile_within_epoch",
             "staleness_fn", "planner_config", "stage_config", "drift_config")
+# hvd.DistributedOptimizer's keywords that strategy "bsp" hands to Horovod: a rank with its
+# own has its allreduces matched with other steps of the others' (one rank's every step with
+# another's every second, their epochs drifting apart) or reduced otherwise
+HOROVOD_RUN_WIDE = ("backward_passes_per_step", "op", "gradient_predivide_factor", "groups",
+                    "sparse_as_dense")
 # each option as the strategy reads it, so that two spellings of one value agree
 _PARSED = {"outer_optimizer": parse_outer, "staleness_fn": parse_staleness,
            "compression": lambda c: check_compression(c, "", ("none", "fp16", "topk")),
            "planner_config": lambda c: PlannerConfig() if c is None else c,
            "stage_config": lambda c: StageConfig() if c is None else c,
-           "drift_config": lambda c: DriftConfig() if c is None else c}
+           "drift_config": lambda c: DriftConfig() if c is None else c,
+           "op": op_name, "gradient_predivide_factor": float, "sparse_as_dense": bool}
 
 
 def _taken(strategy: str) -> Optional[dict]:
@@ -79,8 +89,10 @@ def _text(key: str, value) -> str:
     return text
 
 
-def run_options(strategy: str, staleness, compression, config: dict) -> dict:
-    """This rank's run-wide options, as comparable text."""
+def run_options(strategy: str, staleness, compression, config: dict,
+                horovod: Optional[dict] = None) -> dict:
+    """This rank's run-wide options, as comparable text; `horovod`: the Horovod keywords
+    given (hvd.DistributedOptimizer's, by name), compared under "bsp"."""
     taken = _taken(strategy)
     options = {"strategy": strategy, "compression": compression}
     if strategy in ("ashl", "ssp"):
@@ -92,6 +104,10 @@ def run_options(strategy: str, staleness, compression, config: dict) -> dict:
         options[key] = (taken or {}).get(key) if value is None else value
     if not options.get("fault_tolerant"):
         options.pop("fault_timeout_s", None)   # read only by a fault-tolerant run
+    if strategy == "bsp" and horovod is not None:
+        given = dict(horovod, groups=groups_shape(horovod.get("num_groups", 0),
+                                                  horovod.get("groups")))
+        options.update((key, given[key]) for key in HOROVOD_RUN_WIDE if key in given)
     return {k: _text(k, v) for k, v in options.items()}
 
 
@@ -142,13 +158,14 @@ def agree(comm, refusal: Optional[str], options: dict) -> None:
 
 # ----------------------------------------------------------- at DistributedOptimizer's start
 @contextlib.contextmanager
-def agreed(comm, strategy: str, staleness, compression, config: dict):
+def agreed(comm, strategy: str, staleness, compression, config: dict,
+           horovod: Optional[dict] = None):
     """Around DistributedOptimizer's checks of the options: every rank raises if one refused
     its own or if the ranks' run-wide options differ (on `comm`; None: no agreement), so
     that none goes on into a start-up collective the others never reach. A fault-tolerant
     run agrees under its start-up's watchdog (a rank lost before it would leave the others
     waiting), and its failed start is left for ``python -m ashl.run``."""
-    options = run_options(strategy, staleness, compression, config)
+    options = run_options(strategy, staleness, compression, config, horovod)
     failure = None
     try:
         yield

@@ -27,7 +27,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["HorovodKeywords"]
+__all__ = ["HorovodKeywords", "op_name", "groups_shape", "on_every_rank"]
 
 
 def _horovod():
@@ -38,7 +38,10 @@ def _horovod():
     return hvd
 
 
-def _op_name(op) -> str:
+def op_name(op) -> str:
+    """Horovod's reduction by name (None: its default, Average)."""
+    if op is None:
+        return "Average"
     hvd = _horovod()
     if hvd is not None:
         for name in ("Average", "Sum", "Adasum", "Min", "Max", "Product"):
@@ -83,7 +86,7 @@ class HorovodKeywords:
         """Strategies that merge model deltas: refuse what has no meaning there."""
         hvd = _horovod()
         if self.op is not None and (hvd is None or self.op != hvd.Average):
-            raise ValueError(f"op={_op_name(self.op)}: strategy {strategy!r} merges model deltas "
+            raise ValueError(f"op={op_name(self.op)}: strategy {strategy!r} merges model deltas "
                              "as a weighted average (op=hvd.Average); use strategy='bsp' for "
                              "Horovod's other reductions")
         if self.gradient_predivide_factor != 1.0:
@@ -100,7 +103,7 @@ class HorovodKeywords:
 
     def on_every_rank(self) -> bool:
         """Does the optimizer run on every rank of the job (the global process set)?"""
-        return self.process_set is None or _is_global(self.process_set, _horovod())
+        return on_every_rank(self.process_set)
 
     def check_for_staged_gradients(self) -> None:
         """Strategy "bsp" averaging the gradients through host memory: op Average and the
@@ -109,11 +112,24 @@ class HorovodKeywords:
         why = ("strategy 'bsp' on a CUDA model averages the gradients itself (this Horovod "
                "was built without GPU operations)")
         if self.op is not None and (hvd is None or self.op != hvd.Average):
-            raise ValueError(f"op={_op_name(self.op)}: {why}, with op=hvd.Average only; build "
+            raise ValueError(f"op={op_name(self.op)}: {why}, with op=hvd.Average only; build "
                              "Horovod with HOROVOD_GPU_OPERATIONS=NCCL for its other reductions")
         if not self.on_every_rank():
             raise ValueError(f"process_set={self.process_set!r}: {why}, over every rank of the "
                              "job (the global process set) only")
+
+
+def on_every_rank(process_set) -> bool:
+    """Is `process_set` (None: Horovod's default) the global process set?"""
+    return process_set is None or _is_global(process_set, _horovod())
+
+
+def groups_shape(num_groups, groups):
+    """How Horovod groups the allreduces, comparable between ranks: a number of groups,
+    or each group's number of tensors (a list of lists of tensors)."""
+    if isinstance(groups, (list, tuple)):
+        return tuple(len(g) if isinstance(g, (list, tuple)) else g for g in groups)
+    return num_groups if groups is None else groups
 
 
 def _is_global(process_set, hvd) -> bool:

@@ -19,7 +19,7 @@ from ..strategies.join import wrap_scripts_join
 from ..strategies.model_state import store_flat
 from .agreement import agreed, agreement_comm
 from .exit import end_failed_start, leave_at_exit
-from .horovod_keywords import HorovodKeywords
+from .horovod_keywords import HorovodKeywords, on_every_rank
 
 log = logging.getLogger("ashl")
 
@@ -225,11 +225,13 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     ``finish()`` is optional: a rank leaves the run by itself when the interpreter exits
     (before MPI is finalised), and every rank ends with the final global model.
     """
-    _check_optimizer(optimizer)
-    horovod = HorovodKeywords(backward_passes_per_step, op, gradient_predivide_factor,
-                              num_groups, groups, sparse_as_dense, process_set)
-    comm = agreement_comm(config, horovod.on_every_rank())
-    with agreed(comm, strategy, staleness, compression, config):
+    keywords = dict(backward_passes_per_step=backward_passes_per_step, op=op,
+                    gradient_predivide_factor=gradient_predivide_factor, num_groups=num_groups,
+                    groups=groups, sparse_as_dense=sparse_as_dense, process_set=process_set)
+    comm = agreement_comm(config, on_every_rank(process_set))
+    with agreed(comm, strategy, staleness, compression, config, keywords):
+        _check_optimizer(optimizer)
+        horovod = HorovodKeywords(**keywords)   # (refused here on one rank: every rank raises)
         if strategy != "bsp":
             horovod.check_for_deltas(strategy)
         if named_parameters is not None:
