@@ -66,12 +66,35 @@ def test_horovods_keywords_are_compared_under_bsp_alone():
         assert run_options("bsp", 3, None, {}, dict(keywords, **change)) != base, change
         assert run_options("ashl", 3, None, {}, dict(keywords, **change)) \
             == run_options("ashl", 3, None, {}, keywords)
-    a, b, c = (torch.zeros(1) for _ in range(3))
-    assert run_options("bsp", 3, None, {}, dict(keywords, groups=[[a, b], [c]])) \
-        == run_options("bsp", 3, None, {}, dict(keywords, groups=[[b, c], [a]])) \
-        != run_options("bsp", 3, None, {}, dict(keywords, groups=[[a], [b, c]]))
     assert run_options("bsp", 3, None, {}, dict(keywords, num_groups=2)) \
         == run_options("bsp", 3, None, {}, dict(keywords, groups=2))
+
+
+def test_horovods_groups_compare_as_the_same_parameters_in_the_same_order():
+    """Horovod posts a group as one allreduce named after its first tensor: the same sizes
+    with other members, or another order, would leave each rank waiting for the other's."""
+    def groups_on_a_rank(*positions):
+        params = [torch.zeros(1) for _ in range(3)]      # each rank's own tensors
+        opt = torch.optim.SGD(params, lr=0.1)
+        groups = [[params[i] for i in group] for group in positions]
+        return run_options("bsp", 3, None, {}, {"groups": groups}, opt)["groups"]
+    assert groups_on_a_rank((0, 1), (2,)) == groups_on_a_rank((0, 1), (2,))
+    assert groups_on_a_rank((0, 1), (2,)) != groups_on_a_rank((1, 2), (0,))
+    assert groups_on_a_rank((0, 1)) != groups_on_a_rank((1, 0))
+
+
+def test_a_value_that_fails_to_parse_leaves_its_refusal_to_travel():
+    """(run_options must not raise before the ranks compare: the check that refuses the value
+    raises inside the agreement, and its message reaches every rank)"""
+    text = run_options("bsp", 3, None, {}, {"gradient_predivide_factor": None,
+                                            "sparse_as_dense": torch.ones(2)})
+    assert text["gradient_predivide_factor"] == "None"
+
+
+def test_a_rank_that_refused_before_its_options_were_read_is_named_alone():
+    same = run_options("ashl", 3, None, {})
+    message = disagreement([(None, same), ("TypeError: bad", {})])
+    assert message == "DistributedOptimizer's options were refused on rank 1: TypeError: bad"
 
 
 def test_the_ranks_agree():

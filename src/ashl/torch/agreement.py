@@ -32,7 +32,7 @@ from ..staleness import parse_staleness
 from ..strategies import strategy_class
 from ..strategies.runtime import is_mpi, world_comm
 from .exit import end_failed_start, start_watchdog
-from .horovod_keywords import groups_shape, op_name
+from .horovod_keywords import groups_key, op_name
 
 __all__ = ["RUN_WIDE", "run_options", "disagreement", "agree", "agreed", "agreement_comm"]
 
@@ -81,8 +81,8 @@ def _text(key: str, value) -> str:
     address (an object) as its type's name and attributes."""
     try:
         value = _PARSED[key](value) if key in _PARSED else value
-    except ValueError:
-        pass                        # refused on its rank: the refusal is what travels
+    except Exception:               # refused on its rank: the refusal is what travels
+        pass
     text = repr(value)
     if " at 0x" in text:
         text = f"{type(value).__qualname__}({getattr(value, '__dict__', {})!r})"
@@ -90,9 +90,10 @@ def _text(key: str, value) -> str:
 
 
 def run_options(strategy: str, staleness, compression, config: dict,
-                horovod: Optional[dict] = None) -> dict:
+                horovod: Optional[dict] = None, optimizer=None) -> dict:
     """This rank's run-wide options, as comparable text; `horovod`: the Horovod keywords
-    given (hvd.DistributedOptimizer's, by name), compared under "bsp"."""
+    given (hvd.DistributedOptimizer's, by name), compared under "bsp" (tensor groups as
+    their positions among `optimizer`'s parameters)."""
     taken = _taken(strategy)
     options = {"strategy": strategy, "compression": compression}
     if strategy in ("ashl", "ssp"):
@@ -105,8 +106,8 @@ def run_options(strategy: str, staleness, compression, config: dict,
     if not options.get("fault_tolerant"):
         options.pop("fault_timeout_s", None)   # read only by a fault-tolerant run
     if strategy == "bsp" and horovod is not None:
-        given = dict(horovod, groups=groups_shape(horovod.get("num_groups", 0),
-                                                  horovod.get("groups")))
+        given = dict(horovod, groups=groups_key(horovod.get("num_groups", 0),
+                                                horovod.get("groups"), optimizer))
         options.update((key, given[key]) for key in HOROVOD_RUN_WIDE if key in given)
     return {k: _text(k, v) for k, v in options.items()}
 
@@ -119,12 +120,14 @@ def _differences(views: Sequence[dict]) -> list[str]:
     """Each option whose text differs between ranks, with the ranks of each value; another
     strategy alone (the other options' defaults differ with it)."""
     keys = list(dict.fromkeys(k for options in views for k in options))
-    if len({options.get("strategy") for options in views}) > 1:
+    if len({options.get("strategy") for options in views if options}) > 1:
         keys = ["strategy"]
     differing = []
     for key in keys:
         by_value: dict[str, list[int]] = {}
         for r, options in enumerate(views):
+            if not options:
+                continue            # its rank refused before its options could be read
             by_value.setdefault(options.get(key, "(not taken)"), []).append(r)
         if len(by_value) > 1:
             differing.append(f"{key} is " + ", ".join(f"{v} on {_ranks(rs)}"
@@ -159,14 +162,18 @@ def agree(comm, refusal: Optional[str], options: dict) -> None:
 # ----------------------------------------------------------- at DistributedOptimizer's start
 @contextlib.contextmanager
 def agreed(comm, strategy: str, staleness, compression, config: dict,
-           horovod: Optional[dict] = None):
+           horovod: Optional[dict] = None, optimizer=None):
     """Around DistributedOptimizer's checks of the options: every rank raises if one refused
     its own or if the ranks' run-wide options differ (on `comm`; None: no agreement), so
     that none goes on into a start-up collective the others never reach. A fault-tolerant
     run agrees under its start-up's watchdog (a rank lost before it would leave the others
     waiting), and its failed start is left for ``python -m ashl.run``."""
-    options = run_options(strategy, staleness, compression, config, horovod)
-    failure = None
+    failure = options = None
+    if comm is not None:
+        try:
+            options = run_options(strategy, staleness, compression, config, horovod, optimizer)
+        except Exception as exc:    # (options the checks below refuse, most likely)
+            options, failure = {}, exc
     try:
         yield
     except Exception as exc:    # any error on one rank would leave the others waiting

@@ -27,7 +27,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["HorovodKeywords", "op_name", "groups_shape", "on_every_rank"]
+__all__ = ["HorovodKeywords", "op_name", "groups_key", "on_every_rank"]
 
 
 def _horovod():
@@ -124,12 +124,17 @@ def on_every_rank(process_set) -> bool:
     return process_set is None or _is_global(process_set, _horovod())
 
 
-def groups_shape(num_groups, groups):
-    """How Horovod groups the allreduces, comparable between ranks: a number of groups,
-    or each group's number of tensors (a list of lists of tensors)."""
+def groups_key(num_groups, groups, optimizer):
+    """How Horovod groups the allreduces, comparable between ranks: a number of groups, or
+    each group's tensors as their positions among `optimizer`'s parameters, in order (Horovod
+    posts a group as one allreduce named after its first tensor)."""
+    groups = num_groups if groups is None else groups
     if isinstance(groups, (list, tuple)):
-        return tuple(len(g) if isinstance(g, (list, tuple)) else g for g in groups)
-    return num_groups if groups is None else groups
+        where = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups
+                                                for p in g["params"])}
+        return tuple(tuple(where.get(id(t), "not a parameter") for t in group)
+                     for group in groups)
+    return int(groups)
 
 
 def _is_global(process_set, hvd) -> bool:

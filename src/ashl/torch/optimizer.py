@@ -229,7 +229,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
                     gradient_predivide_factor=gradient_predivide_factor, num_groups=num_groups,
                     groups=groups, sparse_as_dense=sparse_as_dense, process_set=process_set)
     comm = agreement_comm(config, on_every_rank(process_set))
-    with agreed(comm, strategy, staleness, compression, config, keywords):
+    with agreed(comm, strategy, staleness, compression, config, keywords, optimizer):
         _check_optimizer(optimizer)
         horovod = HorovodKeywords(**keywords)   # (refused here on one rank: every rank raises)
         if strategy != "bsp":
@@ -243,8 +243,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     engine = _build_strategy(strategy, model, params, options, comm, sampler=sampler,
                              compression=compression, flat_storage=flat_storage)
     if strategy == "bsp" and not engine.staged_gradients:
-        wrapped = _wrap_horovod(optimizer, model, named_parameters,
-                                dict(horovod.for_horovod(), compression=engine.horovod_compression))
+        with _failure_ends_the_job(options, comm):     # (Horovod's own checks, on one rank)
+            wrapped = _wrap_horovod(optimizer, model, named_parameters,
+                                    dict(horovod.for_horovod(),
+                                         compression=engine.horovod_compression))
     else:
         if strategy == "bsp":   # a CUDA model, a Horovod without GPU operations (bsp.py)
             horovod.check_for_staged_gradients()
@@ -270,13 +272,20 @@ def _check_optimizer(optimizer) -> None:
 
 def _build_strategy(strategy: str, model, params, options: dict, comm, *, sampler,
                     compression, flat_storage):
-    """The strategy engine. A start that fails on a rank after the ranks agreed (a rank's own
-    option refused, a port taken, memory) ends the job, where the others would wait for it
-    in the start-up's collectives; in a test's in-process world, or alone, it raises."""
-    try:
+    """The strategy engine."""
+    with _failure_ends_the_job(options, comm):
         _store_flat(model, params, strategy, flat_storage)
         return make_strategy(strategy, model, params, sampler=sampler,
                              compression=compression, **options)
+
+
+@contextlib.contextmanager
+def _failure_ends_the_job(options: dict, comm):
+    """A start that fails on a rank after the ranks agreed (a rank's own option refused, a
+    port taken, memory, Horovod's own checks) ends the job, where the others would wait for
+    it in the start-up's collectives; in a test's in-process world, or alone, it raises."""
+    try:
+        yield
     except Exception as exc:
         if options.get("fault_tolerant"):
             end_failed_start(exc, options.get("comm"))
