@@ -81,6 +81,17 @@ def test_bsp_gets_horovods_keywords_untouched():
                   "num_groups": 3, "groups": None, "sparse_as_dense": False, "op": hvd.Adasum}
 
 
+def test_bsp_refuses_adasum_where_horovod_would_build_its_adasum_optimizer(monkeypatch):
+    """(alike on every rank, before Horovod builds it: raised on each, not an abort)"""
+    from ashl.torch.optimizer import _check_horovod_allreduces
+    monkeypatch.setattr(hvd, "size", lambda: 2)
+    with pytest.raises(RuntimeError, match="not Adasum"):
+        _check_horovod_allreduces(HorovodKeywords(op=hvd.Adasum))
+    _check_horovod_allreduces(HorovodKeywords(op=hvd.Sum))
+    monkeypatch.setattr(hvd, "size", lambda: 1)      # Horovod's allreduce optimizer alone
+    _check_horovod_allreduces(HorovodKeywords(op=hvd.Adasum))
+
+
 def test_finished_is_an_error_where_nothing_can_end_the_run_and_a_step_after_the_end_is_a_no_op():
     def rank_fn(comm, fake_hvd):
         model, opt = build(comm, fake_hvd, local_steps=1)           # no target, no budget

@@ -97,13 +97,9 @@ class HorovodKeywords:
             raise ValueError(f"num_groups={self.num_groups!r}, groups={self.groups!r}: strategy "
                              f"{strategy!r} always sends the whole model in one fused buffer; "
                              "leave them at 0 and None")
-        if not self.on_every_rank():
+        if not on_every_rank(self.process_set):
             raise ValueError(f"process_set={self.process_set!r}: strategy {strategy!r} runs on "
                              "every rank of the job (the global process set) only")
-
-    def on_every_rank(self) -> bool:
-        """Does the optimizer run on every rank of the job (the global process set)?"""
-        return on_every_rank(self.process_set)
 
     def check_for_staged_gradients(self) -> None:
         """Strategy "bsp" averaging the gradients through host memory: op Average and the
@@ -114,7 +110,7 @@ class HorovodKeywords:
         if self.op is not None and (hvd is None or self.op != hvd.Average):
             raise ValueError(f"op={op_name(self.op)}: {why}, with op=hvd.Average only; build "
                              "Horovod with HOROVOD_GPU_OPERATIONS=NCCL for its other reductions")
-        if not self.on_every_rank():
+        if not on_every_rank(self.process_set):
             raise ValueError(f"process_set={self.process_set!r}: {why}, over every rank of the "
                              "job (the global process set) only")
 

@@ -243,6 +243,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     engine = _build_strategy(strategy, model, params, options, comm, sampler=sampler,
                              compression=compression, flat_storage=flat_storage)
     if strategy == "bsp" and not engine.staged_gradients:
+        _check_horovod_allreduces(horovod)     # (alike on every rank: raised on each)
         with _failure_ends_the_job(options, comm):     # (Horovod's own checks, on one rank)
             wrapped = _wrap_horovod(optimizer, model, named_parameters,
                                     dict(horovod.for_horovod(),
@@ -433,6 +434,16 @@ def _strategy_options(strategy: str, staleness, config: dict) -> dict:
     return kwargs
 
 
+def _check_horovod_allreduces(horovod: HorovodKeywords) -> None:
+    """Strategy "bsp" wraps Horovod's allreduce optimizer; with op=Adasum on more than one
+    rank Horovod builds its Adasum optimizer instead (horovod/torch/optimizer.py, 0.28),
+    which has no synchronize() for step() to report through."""
+    import horovod.torch as hvd
+    if horovod.op == hvd.Adasum and hvd.size() > 1:
+        raise RuntimeError("strategy 'bsp' needs Horovod's allreduce optimizer (op=Average or "
+                           "Sum, not Adasum)")
+
+
 def _wrap_horovod(optimizer: torch.optim.Optimizer, model, named_parameters, horovod: dict):
     """Strategy "bsp": ``hvd.DistributedOptimizer(optimizer, named_parameters=...)`` itself
     (gradient allreduce hooks, synchronize() in step()), with ashl's methods added so step()
@@ -452,9 +463,6 @@ def _wrap_horovod(optimizer: torch.optim.Optimizer, model, named_parameters, hor
     if named_parameters is None and model is not None:
         named_parameters = list(model.named_parameters())
     inner = hvd.DistributedOptimizer(optimizer, named_parameters=named_parameters, **horovod)
-    if type(inner).__dict__.get("synchronize") is not _HorovodOptimizer.synchronize:
-        raise RuntimeError("strategy 'bsp' needs Horovod's allreduce optimizer (op=Average, "
-                           "not Adasum)")
     body = {k: v for k, v in type(inner).__dict__.items() if k not in ("__dict__", "__weakref__")}
     body.update((k, v) for k, v in _DistributedOptimizer.__dict__.items()
                 if k not in ("__dict__", "__weakref__", "__module__", "__doc__"))
